@@ -1,0 +1,319 @@
+"""Job files: TOML in, validated frozen dataclasses out.
+
+A job file names a workload and holds its sections. Common sections (`run`, `train`, `exchange`,
+`tuning`, `slurm`) are declared here; `data` and `model` are declared by the workload, so the
+engine and the schedulers never see workload-specific fields. Every value a user can set is a
+typed dataclass field: `--set section.key=value` is parsed as a TOML value and checked against the
+field's type, and an unknown key is an error that names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import tomli_w
+
+JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+
+
+class JobError(ValueError):
+    """A job file or override that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How many nodes, in which groups, on which backend."""
+
+    nodes: int = 1
+    group_size: int = 0  # 0: all nodes form one synchronous group
+    ranks_per_node: int = 1
+    backend: str = "local"
+    runs_dir: str = "runs"
+    max_restarts: int = 3  # per group, before the run gives that group up
+
+    def validate(self) -> None:
+        _positive("run.nodes", self.nodes)
+        _positive("run.ranks_per_node", self.ranks_per_node)
+        if self.group_size < 0:
+            raise JobError(f"run.group_size must be >= 0, got {self.group_size}")
+        if self.nodes % self.nodes_per_group:
+            raise JobError(
+                f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
+            )
+        if self.backend not in ("local", "slurm"):
+            raise JobError(f"run.backend must be 'local' or 'slurm', got {self.backend!r}")
+
+    @property
+    def nodes_per_group(self) -> int:
+        return self.group_size or self.nodes
+
+    @property
+    def groups(self) -> int:
+        return self.nodes // self.nodes_per_group
+
+    @property
+    def ranks_per_group(self) -> int:
+        return self.nodes_per_group * self.ranks_per_node
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The synchronous loop inside one group."""
+
+    steps: int = 300
+    batch_per_rank: int = 128
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_per_rank", "log_every", "checkpoint_every", "keep_checkpoints"):
+            _positive(f"train.{name}", getattr(self, name))
+        if self.optimizer not in ("adam", "sgd"):
+            raise JobError(f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        if not self.learning_rate > 0:
+            raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
+
+
+@dataclass(frozen=True)
+class ExchangeConfig:
+    """The asynchronous channel between groups and the applier that owns the master weights."""
+
+    enabled: str = "auto"  # auto: on when there is more than one group
+    directory: str = ""  # empty: <run>/exchange; a Lustre path on a cluster
+    every: int = 1
+    optimizer: str = "adam"
+    learning_rate: float = 1e-3
+    max_staleness: int = 16
+    stale_policy: str = "drop"
+    keep_versions: int = 3
+    max_pending_per_group: int = 4
+
+    def validate(self) -> None:
+        if self.enabled not in ("auto", "on", "off"):
+            raise JobError(f"exchange.enabled must be auto, on or off, got {self.enabled!r}")
+        _positive("exchange.every", self.every)
+        _positive("exchange.keep_versions", self.keep_versions)
+        _positive("exchange.max_pending_per_group", self.max_pending_per_group)
+        if self.max_staleness < 0:
+            raise JobError(f"exchange.max_staleness must be >= 0, got {self.max_staleness}")
+        if self.stale_policy not in ("drop", "downweight"):
+            raise JobError(f"exchange.stale_policy must be drop or downweight, got {self.stale_policy!r}")
+        if self.optimizer not in ("adam", "sgd", "momentum"):
+            raise JobError(f"exchange.optimizer must be adam, sgd or momentum, got {self.optimizer!r}")
+
+    def active(self, groups: int) -> bool:
+        return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
+
+
+@dataclass(frozen=True)
+class TuningConfig:
+    """CPU settings applied before TensorFlow starts; 0 means derive from the cores a rank owns."""
+
+    intra_op_threads: int = 0
+    inter_op_threads: int = 2
+    onednn: bool = True
+    kmp_blocktime: int = 0
+    kmp_affinity: str = "granularity=fine,compact,1,0"
+
+    def validate(self) -> None:
+        for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):
+            if getattr(self, name) < 0:
+                raise JobError(f"tuning.{name} must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """What a site sets for its cluster; every value is quoted when rendered."""
+
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    time: str = "01:00:00"
+    cpus_per_task: int = 0
+    signal_seconds: int = 120
+    extra_sbatch: list[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
+    template_dir: str = ""
+
+    def validate(self) -> None:
+        if self.cpus_per_task < 0:
+            raise JobError(f"slurm.cpus_per_task must be >= 0, got {self.cpus_per_task}")
+        if self.signal_seconds < 0:
+            raise JobError(f"slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
+
+
+COMMON_SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "train": TrainConfig,
+    "exchange": ExchangeConfig,
+    "tuning": TuningConfig,
+    "slurm": SlurmConfig,
+}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A resolved, validated job: what a run directory stores and every process reads."""
+
+    name: str
+    workload: str
+    data: Any
+    model: Any
+    run: RunConfig
+    train: TrainConfig
+    exchange: ExchangeConfig
+    tuning: TuningConfig
+    slurm: SlurmConfig
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "workload": self.workload}
+        for section in ("data", "model", *COMMON_SECTIONS):
+            out[section] = dataclasses.asdict(getattr(self, section))
+        return out
+
+    def to_toml(self) -> str:
+        return tomli_w.dumps(self.to_dict())
+
+    def replace(self, **sections: Any) -> "Job":
+        return dataclasses.replace(self, **sections)
+
+
+def resolve_job_path(name_or_path: str) -> Path:
+    """A job is found by name in jobs/ (`hep`), or given as a path to a TOML file."""
+    path = Path(name_or_path)
+    if path.suffix == ".toml" or path.parent != Path("."):
+        if not path.is_file():
+            raise JobError(f"job file not found: {path}")
+        return path
+    candidate = JOBS_DIR / f"{name_or_path}.toml"
+    if not candidate.is_file():
+        known = ", ".join(sorted(p.stem for p in JOBS_DIR.glob("*.toml"))) or "none"
+        raise JobError(f"unknown job {name_or_path!r} (known jobs: {known}; or give a path to a .toml file)")
+    return candidate
+
+
+def load_job(name_or_path: str, overrides: Mapping[str, str] | list[str] = ()) -> Job:
+    """Read a job file, apply `section.key=value` overrides, validate, and freeze."""
+    path = resolve_job_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise JobError(f"cannot read job file {path}: {exc}") from None
+    raw.setdefault("name", path.stem)
+    for key, value in _split_overrides(overrides):
+        _apply_override(raw, key, value)
+    return job_from_dict(raw)
+
+
+def job_from_dict(raw: Mapping[str, Any]) -> Job:
+    from hpcdl.workloads import get_workload  # workloads import config; avoid the cycle at import
+
+    raw = dict(raw)
+    workload_name = raw.pop("workload", None)
+    if not isinstance(workload_name, str):
+        raise JobError("the job file must name its workload, e.g. workload = \"hep\"")
+    workload = get_workload(workload_name)
+    name = str(raw.pop("name", workload_name))
+    sections = {"data": workload.DataConfig, "model": workload.ModelConfig, **COMMON_SECTIONS}
+    unknown = set(raw) - set(sections)
+    if unknown:
+        raise JobError(f"unknown section(s) in job: {', '.join(sorted(unknown))}")
+    built = {key: _build_section(key, cls, raw.get(key, {})) for key, cls in sections.items()}
+    job = Job(name=name, workload=workload_name, **built)
+    for value in built.values():
+        if hasattr(value, "validate"):
+            value.validate()
+    return job
+
+
+def _split_overrides(overrides: Mapping[str, str] | list[str]) -> list[tuple[str, str]]:
+    if isinstance(overrides, Mapping):
+        return list(overrides.items())
+    pairs = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise JobError(f"--set expects section.key=value, got {item!r}")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def _apply_override(raw: dict[str, Any], key: str, text: str) -> None:
+    section, dot, field_name = key.partition(".")
+    if not dot or not field_name:
+        raise JobError(f"--set key must be section.key (e.g. train.steps), got {key!r}")
+    raw.setdefault(section, {})
+    if not isinstance(raw[section], dict):
+        raise JobError(f"{section} is not a section")
+    raw[section][field_name] = _parse_value(text)
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML value (`3`, `1e-3`, `true`, `["a"]`); anything else is taken as a plain string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build_section(section: str, cls: type, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise JobError(f"[{section}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    unknown = set(values) - set(fields)
+    if unknown:
+        names = ", ".join(f"{section}.{k}" for k in sorted(unknown))
+        raise JobError(f"unknown field {names} (known: {', '.join(sorted(fields))})")
+    converted = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    return cls(**converted)
+
+
+def _coerce(name: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (item_type,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise JobError(f"{name} must be a list, got {value!r}")
+        return [_coerce(name, item_type, v) for v in value]
+    if origin is tuple:
+        item_type = typing.get_args(hint)[0]
+        if not isinstance(value, list):
+            raise JobError(f"{name} must be a list, got {value!r}")
+        return tuple(_coerce(name, item_type, v) for v in value)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise JobError(f"{name} must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise JobError(f"{name} must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise JobError(f"{name} must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise JobError(f"{name} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _positive(name: str, value: int) -> None:
+    if value < 1:
+        raise JobError(f"{name} must be >= 1, got {value}")
+
+
+def write_job(job: Job, path: Path) -> None:
+    path.write_text(job.to_toml())

@@ -1,0 +1,126 @@
+"""Layers as plain `tf.Module`s that also know their FLOP count.
+
+The paper's figure of merit is FLOP/s, so each layer counts its own multiply-adds analytically
+from the shapes it sees. Counted, as the paper does: 2 FLOPs per multiply-add of convolutions and
+dense layers, forward and backward. The backward pass of a layer costs one forward for the weight
+gradient plus one for the input gradient, except the first layer, whose input needs no gradient.
+Element-wise work (bias, ReLU, pooling, dropout, the optimizer) is left out: under 1 % here.
+Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs per example."""
+
+    forward: int
+    backward: int
+
+    @property
+    def training(self) -> int:
+        return self.forward + self.backward
+
+    def __add__(self, other: "FlopCount") -> "FlopCount":
+        return FlopCount(self.forward + other.forward, self.backward + other.backward)
+
+
+ZERO = FlopCount(0, 0)
+
+
+def _glorot(rng: tf.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> tf.Tensor:
+    limit = math.sqrt(6.0 / (fan_in + fan_out))
+    return rng.uniform(shape, -limit, limit, dtype=tf.float32)
+
+
+class Conv2D(tf.Module):
+    """k×k convolution, NHWC, 'same' padding."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, rng: tf.random.Generator, name: str):
+        super().__init__(name=name)
+        self.kernel, self.stride, self.c_in, self.c_out = kernel, stride, c_in, c_out
+        fan_in, fan_out = kernel * kernel * c_in, kernel * kernel * c_out
+        self.w = tf.Variable(_glorot(rng, (kernel, kernel, c_in, c_out), fan_in, fan_out), name="w")
+        self.b = tf.Variable(tf.zeros([c_out]), name="b")
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.nn.conv2d(x, self.w, self.stride, "SAME") + self.b
+
+    def output_hw(self, h: int, w: int) -> tuple[int, int]:
+        return math.ceil(h / self.stride), math.ceil(w / self.stride)
+
+    def flops(self, h: int, w: int, needs_input_grad: bool = True) -> FlopCount:
+        ho, wo = self.output_hw(h, w)
+        fwd = 2 * ho * wo * self.kernel * self.kernel * self.c_in * self.c_out
+        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+
+
+class Conv2DTranspose(tf.Module):
+    """k×k transposed convolution (upsampling by `stride`), NHWC, 'same' padding."""
+
+    def __init__(self, c_in: int, c_out: int, kernel: int, stride: int, rng: tf.random.Generator, name: str):
+        super().__init__(name=name)
+        self.kernel, self.stride, self.c_in, self.c_out = kernel, stride, c_in, c_out
+        fan_in, fan_out = kernel * kernel * c_in, kernel * kernel * c_out
+        self.w = tf.Variable(_glorot(rng, (kernel, kernel, c_out, c_in), fan_in, fan_out), name="w")
+        self.b = tf.Variable(tf.zeros([c_out]), name="b")
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        shape = tf.shape(x)
+        out = tf.stack([shape[0], shape[1] * self.stride, shape[2] * self.stride, self.c_out])
+        return tf.nn.conv2d_transpose(x, self.w, out, self.stride, "SAME") + self.b
+
+    def flops(self, h: int, w: int, needs_input_grad: bool = True) -> FlopCount:
+        # Every input pixel scatters a k×k×c_out patch: the same multiply-adds as the convolution
+        # it is the gradient of.
+        fwd = 2 * h * w * self.kernel * self.kernel * self.c_in * self.c_out
+        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+
+
+class Dense(tf.Module):
+    def __init__(self, n_in: int, n_out: int, rng: tf.random.Generator, name: str):
+        super().__init__(name=name)
+        self.n_in, self.n_out = n_in, n_out
+        self.w = tf.Variable(_glorot(rng, (n_in, n_out), n_in, n_out), name="w")
+        self.b = tf.Variable(tf.zeros([n_out]), name="b")
+
+    def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.matmul(x, self.w) + self.b
+
+    def flops(self, needs_input_grad: bool = True) -> FlopCount:
+        fwd = 2 * self.n_in * self.n_out
+        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+
+
+def named_variables(module: tf.Module) -> list[tuple[str, tf.Variable]]:
+    """Variables with stable, readable names (`conv0/w`), in a fixed order.
+
+    These names key the tensors of checkpoints' manifests and of the exchange files, so they must
+    not depend on TensorFlow's global name uniquification.
+    """
+    out = []
+    for path, var in _walk(module, ""):
+        out.append((path, var))
+    return sorted(out, key=lambda item: item[0])
+
+
+def _walk(obj, prefix: str):
+    for attr, value in sorted(vars(obj).items()):
+        if attr.startswith("_"):
+            continue
+        name = f"{prefix}{attr}"
+        if isinstance(value, tf.Variable):
+            if value.trainable:
+                yield name, value
+        elif isinstance(value, tf.Module):
+            yield from _walk(value, name + "/")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, tf.Module):
+                    yield from _walk(item, f"{name}{i}/")

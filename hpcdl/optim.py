@@ -1,0 +1,47 @@
+"""Optimizers over plain `tf.Variable`s, checkpointable, with no Keras in the way.
+
+Horovod's Keras wrappers do not average gradients with Keras 3 optimizers (ranks silently drift
+apart), so the engine allreduces gradients itself and applies them with these few lines.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+class Adam(tf.Module):
+    """Adam (Kingma & Ba) with bias correction; slots are created with the first variables seen."""
+
+    def __init__(self, variables: list[tf.Variable], learning_rate: float = 1e-3,
+                 beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-7):
+        super().__init__(name="adam")
+        self.learning_rate = tf.Variable(learning_rate, trainable=False, dtype=tf.float32)
+        self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon
+        self.iterations = tf.Variable(0, trainable=False, dtype=tf.int64)
+        self.m = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+        self.v = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
+
+    def apply(self, grads: list[tf.Tensor], variables: list[tf.Variable]) -> None:
+        self.iterations.assign_add(1)
+        t = tf.cast(self.iterations, tf.float32)
+        lr = self.learning_rate * tf.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t)
+        for g, var, m, v in zip(grads, variables, self.m, self.v):
+            m.assign(self.beta1 * m + (1.0 - self.beta1) * g)
+            v.assign(self.beta2 * v + (1.0 - self.beta2) * tf.square(g))
+            var.assign_sub(lr * m / (tf.sqrt(v) + self.epsilon))
+
+
+class SGD(tf.Module):
+    def __init__(self, variables: list[tf.Variable], learning_rate: float = 1e-2):
+        super().__init__(name="sgd")
+        self.learning_rate = tf.Variable(learning_rate, trainable=False, dtype=tf.float32)
+        self.iterations = tf.Variable(0, trainable=False, dtype=tf.int64)
+
+    def apply(self, grads: list[tf.Tensor], variables: list[tf.Variable]) -> None:
+        self.iterations.assign_add(1)
+        for g, var in zip(grads, variables):
+            var.assign_sub(self.learning_rate * g)
+
+
+def make_optimizer(name: str, variables: list[tf.Variable], learning_rate: float) -> tf.Module:
+    return {"adam": Adam, "sgd": SGD}[name](variables, learning_rate=learning_rate)

@@ -1,0 +1,209 @@
+"""The run directory: the state store of a run, and the one place that knows every path in it.
+
+    runs/<run-id>/
+      job.toml              the resolved job (what every process reads)
+      run.json              run id, backend, created, scheduler job ids
+      stats.json            workload normalisation constants (written once, atomically)
+      groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
+      groups/<g>/state.json      the group's last known state (published atomically)
+      groups/<g>/rank<r>.log     each rank's stdout/stderr
+      checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
+      tensorboard/<g>/      TensorBoard event files
+      exchange/             the asynchronous channel (unless the job names another directory)
+      scheduler/            what the backend keeps: rendered scripts, pids, job ids
+
+`hpcdl status` works from a fresh shell because everything is a file here. A run directory is
+built under a hidden temporary name and renamed into place only when complete, so a failed
+submission leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from hpcdl.config import Job, job_from_dict
+
+import tomllib
+
+
+class RunError(ValueError):
+    """No such run, or a directory that is not a run."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths inside one run directory."""
+
+    root: Path
+
+    @property
+    def run_id(self) -> str:
+        return self.root.name
+
+    @property
+    def job_file(self) -> Path:
+        return self.root / "job.toml"
+
+    @property
+    def info_file(self) -> Path:
+        return self.root / "run.json"
+
+    @property
+    def stats_file(self) -> Path:
+        return self.root / "stats.json"
+
+    @property
+    def scheduler_dir(self) -> Path:
+        return self.root / "scheduler"
+
+    @property
+    def applier_log(self) -> Path:
+        return self.root / "applier.log"
+
+    def group_dir(self, group: int) -> Path:
+        return self.root / "groups" / str(group)
+
+    def metrics_file(self, group: int) -> Path:
+        return self.group_dir(group) / "metrics.jsonl"
+
+    def group_state_file(self, group: int) -> Path:
+        return self.group_dir(group) / "state.json"
+
+    def rank_log(self, group: int, rank: int) -> Path:
+        return self.group_dir(group) / f"rank{rank}.log"
+
+    def checkpoint_dir(self, group: int) -> Path:
+        return self.root / "checkpoints" / str(group)
+
+    def tensorboard_dir(self, group: int) -> Path:
+        return self.root / "tensorboard" / str(group)
+
+    def exchange_dir(self, job: Job) -> Path:
+        return Path(job.exchange.directory) if job.exchange.directory else self.root / "exchange"
+
+    def groups(self) -> list[int]:
+        base = self.root / "groups"
+        if not base.is_dir():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())
+
+    def load_job(self) -> Job:
+        try:
+            return job_from_dict(tomllib.loads(self.job_file.read_text()))
+        except FileNotFoundError:
+            raise RunError(f"{self.root} is not a run directory (no job.toml)") from None
+
+    def info(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.info_file.read_text())
+        except FileNotFoundError:
+            raise RunError(f"{self.root} is not a run directory (no run.json)") from None
+
+    def update_info(self, **fields: Any) -> None:
+        info = self.info()
+        info.update(fields)
+        write_json_atomic(self.info_file, info)
+
+
+def new_run_id(job: Job) -> str:
+    return f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+@contextmanager
+def create_run(job: Job, backend: str) -> Iterator[tuple[RunDir, RunDir]]:
+    """Build a run directory under a temporary name; it appears at its final path only if the
+    body succeeds, so an error while preparing leaves no half-made run behind.
+
+    Yields (staged, final): write into `staged`; refer to `final` in anything that outlives the
+    submission (scripts, commands)."""
+    runs_dir = Path(job.run.runs_dir)
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    run_id = new_run_id(job)
+    staging = Path(tempfile.mkdtemp(prefix=f".staging-{run_id}-", dir=runs_dir))
+    final = runs_dir / run_id
+    try:
+        staged = RunDir(staging)
+        staged.job_file.write_text(job.to_toml())
+        write_json_atomic(staged.info_file, {
+            "run_id": run_id, "workload": job.workload, "backend": backend,
+            "created": time.time(), "groups": job.run.groups,
+            "ranks_per_group": job.run.ranks_per_group,
+        })
+        for g in range(job.run.groups):
+            staged.group_dir(g).mkdir(parents=True)
+        yield staged, RunDir(final)
+        os.rename(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def staged_path(run: RunDir) -> Path:
+    """While `create_run` is open, files go to the staging directory that becomes `run`."""
+    matches = list(run.root.parent.glob(f".staging-{run.run_id}-*"))
+    return matches[0] if len(matches) == 1 else run.root
+
+
+def find_run(ref: str | None, runs_dir: str | Path = "runs") -> RunDir:
+    """A run by path, by id under runs_dir, or (None) the newest run there."""
+    if ref:
+        path = Path(ref)
+        if not path.is_dir():
+            path = Path(runs_dir) / ref
+        if not (path / "job.toml").is_file():
+            raise RunError(f"no run at {ref!r} (give a run directory or a run id under {runs_dir}/)")
+        return RunDir(path)
+    base = Path(runs_dir)
+    candidates = [p for p in base.iterdir() if (p / "run.json").is_file()] if base.is_dir() else []
+    if not candidates:
+        raise RunError(f"no runs under {base}/ (start one with `hpcdl submit`)")
+    return RunDir(max(candidates, key=lambda p: (p.stat().st_mtime, p.name)))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write to a temporary name in the same directory, fsync, rename: readers see old or new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """One line per write: O_APPEND keeps whole lines from concurrent writers of small records."""
+    with open(path, "a") as f:
+        f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete line; a torn last line (a writer killed mid-write) is skipped."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

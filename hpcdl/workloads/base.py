@@ -1,0 +1,63 @@
+"""What the engine needs from a science workload, and nothing more.
+
+A workload owns its data (readers, normalisation), its model (a `tf.Module` with FLOP counts) and
+its metrics (evaluation). The engine only ever calls these methods, so it contains no workload
+code, and the schedulers contain neither.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, Iterator
+
+from hpcdl.nn import FlopCount
+
+
+class Model(ABC):
+    """The interface a workload's `tf.Module` model offers the engine."""
+
+    @abstractmethod
+    def flops(self) -> FlopCount:
+        """FLOPs per training example (forward + backward), from the model's own shapes."""
+
+    @abstractmethod
+    def named_variables(self) -> list:
+        """[(stable name, tf.Variable)] in a fixed order: the keys of checkpoints and exchange."""
+
+
+class Workload(ABC):
+    """One science case: data + model + loss + metrics."""
+
+    name: str
+    DataConfig: type
+    ModelConfig: type
+
+    @abstractmethod
+    def check_data(self, job) -> None:
+        """Raise a one-line error if the job's data files are missing or of the wrong layout."""
+
+    @abstractmethod
+    def compute_stats(self, job) -> dict[str, Any]:
+        """Normalisation constants from the training set, JSON-able; stored with the model."""
+
+    @abstractmethod
+    def input_shape(self, job) -> tuple[int, ...]:
+        """Shape of one example as the model sees it (H, W, C)."""
+
+    @abstractmethod
+    def build_model(self, model_config, input_shape: tuple[int, ...], seed: int):
+        """A fresh model (see `Model`)."""
+
+    @abstractmethod
+    def train_batches(self, job, stats: dict[str, Any], shard: int, shards: int, seed: int) -> Iterator[tuple]:
+        """Endless training batches of one shard, as tuples of numpy arrays for `loss`."""
+
+    @abstractmethod
+    def loss(self, model, batch: tuple, training: bool):
+        """Scalar loss of a batch (a TensorFlow tensor; traced inside tf.function)."""
+
+    @abstractmethod
+    def evaluate(self, model, stats: dict[str, Any], data: Path, out_dir: Path,
+                 scores_out: Path | None = None, progress=None) -> dict[str, Any]:
+        """Score `data`, write plots into out_dir, and return the metrics as a JSON-able dict."""

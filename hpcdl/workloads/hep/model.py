@@ -1,0 +1,67 @@
+"""The HEP classifier of the paper's published TensorFlow benchmark (hep_cnn_benchmark).
+
+Input H×W×3 (NHWC). `conv_layers - 1` units of [3×3 conv, `filters` filters, stride 1, same
+padding → ReLU → 2×2 max-pool → dropout], then one more 3×3 conv → ReLU → global average pool →
+dense to 2 logits (background, signal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import tensorflow as tf
+
+from hpcdl.config import JobError
+from hpcdl.nn import ZERO, Conv2D, Dense, FlopCount, named_variables
+from hpcdl.workloads.base import Model
+
+
+@dataclass(frozen=True)
+class HepModelConfig:
+    filters: int = 128
+    conv_layers: int = 5
+    kernel: int = 3
+    pool: int = 2
+    dropout: float = 0.2
+
+    def validate(self) -> None:
+        for name in ("filters", "conv_layers", "kernel", "pool"):
+            if getattr(self, name) < 1:
+                raise JobError(f"model.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise JobError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+class HepCNN(tf.Module, Model):
+    def __init__(self, config: HepModelConfig, input_shape: tuple[int, int, int], seed: int = 0):
+        super().__init__(name="hep_cnn")
+        self.config = config
+        self.image_shape = tuple(input_shape)
+        rng = tf.random.Generator.from_seed(seed)
+        channels = [input_shape[2]] + [config.filters] * config.conv_layers
+        self.convs = [
+            Conv2D(channels[i], channels[i + 1], config.kernel, 1, rng, name=f"conv{i}")
+            for i in range(config.conv_layers)
+        ]
+        self.head = Dense(config.filters, 2, rng, name="head")
+
+    def __call__(self, x: tf.Tensor, training: bool = False) -> tf.Tensor:
+        pool = self.config.pool
+        for conv in self.convs[:-1]:
+            x = tf.nn.max_pool2d(tf.nn.relu(conv(x)), pool, pool, "VALID")
+            if training and self.config.dropout > 0:
+                x = tf.nn.dropout(x, rate=self.config.dropout)
+        x = tf.nn.relu(self.convs[-1](x))
+        return self.head(tf.reduce_mean(x, axis=[1, 2]))
+
+    def flops(self) -> FlopCount:
+        h, w, _ = self.image_shape
+        total = ZERO
+        for i, conv in enumerate(self.convs):
+            total = total + conv.flops(h, w, needs_input_grad=i > 0)
+            if i < len(self.convs) - 1:
+                h, w = h // self.config.pool, w // self.config.pool
+        return total + self.head.flops()
+
+    def named_variables(self) -> list[tuple[str, tf.Variable]]:
+        return named_variables(self)
