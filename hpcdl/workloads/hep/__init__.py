@@ -1,0 +1,1 @@
+"""The HEP workload (after Kurth et al., SC17): RPV-SUSY vs QCD classification of calorimeter images."""

@@ -1,0 +1,749 @@
+"""Streaming reader for HEP calorimeter-image files (HDF5), for training and evaluation.
+
+Two on-disk layouts are recognised (:func:`open_hep` detects which one a file has):
+
+``nersc``
+    The published NERSC RPV-SUSY layout (and the one :mod:`hpcdl.workloads.hep.generate` writes):
+    a group ``all_events`` holding ``hist``, ``histEM``, ``histtrack`` (each ``(N, H, W)``: total
+    calorimeter energy, EM energy, track multiplicity on an η×φ grid), ``y`` (``(N,)``, 1 signal,
+    0 background; required), ``weight`` (``(N,)`` cross-section event weight; optional, default 1)
+    and ``passSR`` (``(N,)`` the cut-based signal-region flag; optional).
+
+``benchmark``
+    The hep_cnn_benchmark layout: top-level ``data`` ``(N, 3, H, W)`` (channels first), ``label``
+    ``(N,)`` integers or ``(N, 2)`` one-hot (column 1 = signal), and optionally ``weight``
+    ``(N,)``, ``normweight`` ``(N,)`` (validated but not used) and ``psr`` ``(N,)`` (the
+    signal-region flag).
+
+Whatever the layout, images come out NHWC float32 with channels (hist, histEM, histtrack) (the
+benchmark layout's axis 1, in order), labels int32, weights float32, the selection flag bool (or
+``None`` when the file has none) and the global event index int64.
+
+Memory stays bounded: everything here reads with h5py slices of at most ``chunk_events`` events;
+no function ever loads a whole dataset. :func:`iter_batches` reads only the caller's shard
+(:func:`shard_range`), chunk by chunk, in a background thread feeding a bounded queue, so at most
+about ``(prefetch + 2) × chunk_events`` events are in memory at once (``prefetch`` queued chunks,
+one being read, one being consumed).
+
+Normalisation follows the paper's code: each channel is divided by its maximum over the training
+file (:func:`channel_max`); :class:`Normalization` carries those scales together with the per-class
+mean event weights (:func:`class_weight_means`) used to balance the classes in training, and
+round-trips through JSON (:meth:`Normalization.to_dict` / :meth:`Normalization.from_dict`) so the
+numbers travel with the model.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, NamedTuple, Optional, Tuple
+
+import h5py
+import numpy as np
+
+__all__ = [
+    "LAYOUT_BENCHMARK",
+    "LAYOUT_NERSC",
+    "Batch",
+    "BatchIterator",
+    "DataError",
+    "HepFile",
+    "HepReader",
+    "Normalization",
+    "batches_per_epoch",
+    "channel_max",
+    "class_weight_means",
+    "iter_batches",
+    "open_hep",
+    "shard_range",
+]
+
+LAYOUT_NERSC = "nersc"
+LAYOUT_BENCHMARK = "benchmark"
+
+#: Channel order of the NHWC images returned by this module.
+CHANNELS = ("hist", "histEM", "histtrack")
+
+_NERSC_GROUP = "all_events"
+DEFAULT_CHUNK = 4096
+
+
+class DataError(ValueError):
+    """A HEP data file is missing, unreadable or does not have a layout this module understands."""
+
+
+# --------------------------------------------------------------------------------------------------
+# layout detection and validation
+
+
+@dataclass(frozen=True)
+class HepFile:
+    """A validated HEP data file: its layout and shape, with no data read yet.
+
+    Use :meth:`open` (a context manager) to read event ranges.
+    """
+
+    path: Path
+    layout: str
+    n_events: int
+    image_shape: Tuple[int, int, int]  # (H, W, 3)
+    has_weight: bool
+    has_pass_sr: bool
+
+    def open(self) -> "HepReader":
+        """An open reader on this file (close it, or use it in a ``with`` block)."""
+        return HepReader(self)
+
+    def read(self, start: int, stop: int) -> "Batch":
+        """Events ``[start, stop)`` (opens and closes the file; for repeated reads use :meth:`open`)."""
+        with self.open() as reader:
+            return reader.read(start, stop)
+
+
+def _fail(path: Path, problem: str) -> DataError:
+    return DataError(f"{path}: {problem}")
+
+
+def _dataset(path: Path, group: h5py.Group, key: str, where: str) -> h5py.Dataset:
+    if key not in group:
+        present = ", ".join(sorted(group.keys())) or "nothing"
+        raise _fail(path, f"missing dataset {where}{key!r} (found: {present})")
+    obj = group[key]
+    if not isinstance(obj, h5py.Dataset):
+        raise _fail(path, f"{where}{key!r} is a group, expected a dataset")
+    if obj.dtype.kind not in "biuf":
+        raise _fail(path, f"{where}{key!r} has non-numeric dtype {obj.dtype}")
+    return obj
+
+
+def _check_per_event(path: Path, ds: Optional[h5py.Dataset], name: str, n: int) -> None:
+    if ds is None:
+        return
+    if ds.shape != (n,):
+        raise _fail(path, f"{name} has shape {ds.shape}, expected ({n},) (one value per event)")
+
+
+def open_hep(path) -> HepFile:
+    """Detect and validate the layout of the HEP file at ``path``.
+
+    Raises :class:`DataError` (a :class:`ValueError`) naming the file and the problem when the file
+    is missing, is not HDF5, lacks a required dataset, has datasets of the wrong rank or with
+    disagreeing event counts or image sizes, or holds no events. Reads shapes only, no data.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise _fail(path, "no such file")
+    if not path.is_file():
+        raise _fail(path, "not a regular file")
+    try:
+        f = h5py.File(path, "r")
+    except OSError as exc:
+        raise _fail(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {exc})") from None
+    with f:
+        if _NERSC_GROUP in f:
+            return _validate_nersc(path, f)
+        if "data" in f:
+            return _validate_benchmark(path, f)
+        present = ", ".join(sorted(f.keys())) or "nothing"
+        raise _fail(
+            path,
+            f"unrecognised layout: expected a group '{_NERSC_GROUP}' (NERSC RPV-SUSY layout) or a "
+            f"dataset 'data' (hep_cnn_benchmark layout); found: {present}",
+        )
+
+
+def _validate_nersc(path: Path, f: h5py.File) -> HepFile:
+    g = f[_NERSC_GROUP]
+    if not isinstance(g, h5py.Group):
+        raise _fail(path, f"'{_NERSC_GROUP}' is a dataset, expected a group")
+    where = f"{_NERSC_GROUP}/"
+    images = [_dataset(path, g, key, where) for key in CHANNELS]
+    for ds, key in zip(images, CHANNELS):
+        if ds.ndim != 3:
+            raise _fail(path, f"{where}{key} has shape {ds.shape}, expected (N, H, W)")
+    shape0 = images[0].shape
+    for ds, key in zip(images[1:], CHANNELS[1:]):
+        if ds.shape != shape0:
+            raise _fail(
+                path, f"{where}{key} has shape {ds.shape} but {where}{CHANNELS[0]} has {shape0}"
+            )
+    n, h, w = shape0
+    if n == 0:
+        raise _fail(path, "holds zero events")
+    if h == 0 or w == 0:
+        raise _fail(path, f"images have an empty shape {h}×{w}")
+    y = _dataset(path, g, "y", where)
+    _check_per_event(path, y, f"{where}y", n)
+    weight = _dataset(path, g, "weight", where) if "weight" in g else None
+    _check_per_event(path, weight, f"{where}weight", n)
+    sr = _dataset(path, g, "passSR", where) if "passSR" in g else None
+    _check_per_event(path, sr, f"{where}passSR", n)
+    return HepFile(path, LAYOUT_NERSC, n, (h, w, 3), weight is not None, sr is not None)
+
+
+def _validate_benchmark(path: Path, f: h5py.File) -> HepFile:
+    data = _dataset(path, f, "data", "")
+    if data.ndim != 4 or data.shape[1] != 3:
+        raise _fail(path, f"data has shape {data.shape}, expected (N, 3, H, W)")
+    n, _, h, w = data.shape
+    if n == 0:
+        raise _fail(path, "holds zero events")
+    if h == 0 or w == 0:
+        raise _fail(path, f"images have an empty shape {h}×{w}")
+    label = _dataset(path, f, "label", "")
+    if label.shape not in ((n,), (n, 2)):
+        raise _fail(path, f"label has shape {label.shape}, expected ({n},) or ({n}, 2) one-hot")
+    weight = _dataset(path, f, "weight", "") if "weight" in f else None
+    _check_per_event(path, weight, "weight", n)
+    normweight = _dataset(path, f, "normweight", "") if "normweight" in f else None
+    _check_per_event(path, normweight, "normweight", n)
+    psr = _dataset(path, f, "psr", "") if "psr" in f else None
+    _check_per_event(path, psr, "psr", n)
+    return HepFile(path, LAYOUT_BENCHMARK, n, (h, w, 3), weight is not None, psr is not None)
+
+
+def _as_hep(path_or_file) -> HepFile:
+    return path_or_file if isinstance(path_or_file, HepFile) else open_hep(path_or_file)
+
+
+# --------------------------------------------------------------------------------------------------
+# reading event ranges
+
+
+class Batch(NamedTuple):
+    """Events as numpy arrays; unpacks as ``x, y, w, pass_sr, index``."""
+
+    x: np.ndarray  # (n, H, W, 3) float32
+    y: np.ndarray  # (n,) int32, 1 = signal
+    w: np.ndarray  # (n,) float32 event weight
+    pass_sr: Optional[np.ndarray]  # (n,) bool, or None when the file has no selection flag
+    index: np.ndarray  # (n,) int64 global event index in the file
+
+
+class HepReader:
+    """An open HEP file reading event ranges ``[start, stop)`` with h5py slices."""
+
+    def __init__(self, hep: HepFile):
+        self.hep = hep
+        self._f = h5py.File(hep.path, "r")
+        if hep.layout == LAYOUT_NERSC:
+            g = self._f[_NERSC_GROUP]
+            self._images = [g[key] for key in CHANNELS]
+            self._y = g["y"]
+            self._w = g["weight"] if hep.has_weight else None
+            self._sr = g["passSR"] if hep.has_pass_sr else None
+        else:
+            self._images = [self._f["data"]]
+            self._y = self._f["label"]
+            self._w = self._f["weight"] if hep.has_weight else None
+            self._sr = self._f["psr"] if hep.has_pass_sr else None
+
+    def __enter__(self) -> "HepReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._f.close()
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not (0 <= start <= stop <= self.hep.n_events):
+            raise ValueError(
+                f"event range [{start}, {stop}) outside [0, {self.hep.n_events}) of {self.hep.path}"
+            )
+
+    def read_images(self, start: int, stop: int) -> np.ndarray:
+        """Images of events ``[start, stop)``, NHWC float32."""
+        self._check_range(start, stop)
+        h, w, c = self.hep.image_shape
+        if self.hep.layout == LAYOUT_NERSC:
+            out = np.empty((stop - start, h, w, c), dtype=np.float32)
+            for ch, ds in enumerate(self._images):
+                out[..., ch] = ds[start:stop]
+            return out
+        data = self._images[0][start:stop]  # (n, 3, H, W)
+        return np.ascontiguousarray(np.transpose(data, (0, 2, 3, 1)), dtype=np.float32)
+
+    def read_labels(self, start: int, stop: int) -> np.ndarray:
+        """Labels of events ``[start, stop)``, int32 (1 = signal); raises DataError if not 0/1."""
+        self._check_range(start, stop)
+        raw = self._y[start:stop]
+        if raw.ndim == 2:  # one-hot (n, 2): the column index is the class
+            if not np.all((raw == 0) | (raw == 1)) or np.any(raw.sum(axis=1) != 1):
+                raise _fail(self.hep.path, "label is (N, 2) but not one-hot")
+            return np.argmax(raw, axis=1).astype(np.int32)
+        if raw.size and not np.all((raw == 0) | (raw == 1)):
+            bad = raw[(raw != 0) & (raw != 1)][0]
+            raise _fail(self.hep.path, f"labels must be 0 or 1, found {bad!r} in [{start}, {stop})")
+        return raw.astype(np.int32)
+
+    def read_weights(self, start: int, stop: int) -> np.ndarray:
+        """Event weights of ``[start, stop)``, float32 (all 1 when the file has none)."""
+        self._check_range(start, stop)
+        if self._w is None:
+            return np.ones(stop - start, dtype=np.float32)
+        return self._w[start:stop].astype(np.float32)
+
+    def read_pass_sr(self, start: int, stop: int) -> Optional[np.ndarray]:
+        """Signal-region flags of ``[start, stop)`` as bool, or None when the file has none."""
+        self._check_range(start, stop)
+        if self._sr is None:
+            return None
+        return self._sr[start:stop].astype(bool)
+
+    def read(self, start: int, stop: int) -> Batch:
+        """All of events ``[start, stop)``."""
+        return Batch(
+            self.read_images(start, stop),
+            self.read_labels(start, stop),
+            self.read_weights(start, stop),
+            self.read_pass_sr(start, stop),
+            np.arange(start, stop, dtype=np.int64),
+        )
+
+
+def _chunks(start: int, stop: int, chunk: int) -> Iterator[Tuple[int, int]]:
+    for lo in range(start, stop, chunk):
+        yield lo, min(lo + chunk, stop)
+
+
+def _check_chunk(chunk: int, name: str = "chunk") -> int:
+    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
+        raise ValueError(f"{name} must be a positive integer, got {chunk!r}")
+    return int(chunk)
+
+
+# --------------------------------------------------------------------------------------------------
+# sharding
+
+
+def shard_range(n_events: int, rank: int, size: int) -> Tuple[int, int]:
+    """The contiguous slice ``[start, stop)`` of ``n_events`` owned by ``rank`` of ``size``.
+
+    Shards are balanced (their sizes differ by at most one; the first ``n_events % size`` ranks get
+    one extra event) and together cover every event exactly once. With more ranks than events some
+    shards are empty.
+    """
+    for name, v in (("n_events", n_events), ("rank", rank), ("size", size)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    if n_events < 0:
+        raise ValueError(f"n_events must be >= 0, got {n_events}")
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank must be in [0, {size}), got {rank}")
+    base, extra = divmod(int(n_events), int(size))
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def batches_per_epoch(
+    n_events: int, batch_size: int, rank: int = 0, size: int = 1, drop_remainder: bool = True
+) -> int:
+    """How many batches :func:`iter_batches` yields per epoch for this rank.
+
+    Shards differ by up to one event, so with ``drop_remainder`` ranks can differ by one batch; a
+    synchronous data-parallel trainer should step ``min`` over ranks, i.e. this function with
+    ``rank=size - 1`` (the smallest shard).
+    """
+    start, stop = shard_range(n_events, rank, size)
+    n = stop - start
+    return n // batch_size if drop_remainder else -(-n // batch_size)
+
+
+# --------------------------------------------------------------------------------------------------
+# normalisation and class balance
+
+
+def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Each channel's maximum over the whole file, as float64 ``(3,)``, streaming ``chunk`` events."""
+    chunk = _check_chunk(chunk)
+    hep = _as_hep(path)
+    out = np.full(3, -np.inf)
+    with hep.open() as reader:
+        for lo, hi in _chunks(0, hep.n_events, chunk):
+            x = reader.read_images(lo, hi)
+            np.maximum(out, x.max(axis=(0, 1, 2)), out=out)
+    return out
+
+
+def class_weight_means(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
+    """Mean event weight per class, float64 ``(2,)`` indexed by label: ``[background, signal]``.
+
+    A trainer balances the classes with ``w / means[y]``: each class then has mean weight 1, so
+    both contribute equally however different their cross-sections. A class absent from the file
+    gets 1.0 (no event will use it). Reads labels and weights only, ``chunk`` events at a time.
+    """
+    chunk = _check_chunk(chunk)
+    hep = _as_hep(path)
+    sums = np.zeros(2)
+    counts = np.zeros(2)
+    with hep.open() as reader:
+        for lo, hi in _chunks(0, hep.n_events, chunk):
+            y = reader.read_labels(lo, hi)
+            w = reader.read_weights(lo, hi).astype(np.float64)
+            sums += np.bincount(y, weights=w, minlength=2)
+            counts += np.bincount(y, minlength=2)
+    means = np.ones(2)
+    present = counts > 0
+    means[present] = sums[present] / counts[present]
+    if np.any(means[present] <= 0) or not np.all(np.isfinite(means)):
+        raise _fail(hep.path, f"class mean weights must be positive and finite, got {means.tolist()}")
+    return means
+
+
+def _positive_finite(name: str, values, n: int) -> Tuple[float, ...]:
+    try:
+        vals = tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be {n} numbers, got {values!r}") from None
+    if len(vals) != n:
+        raise ValueError(f"{name} must have {n} entries, got {len(vals)}")
+    if not all(math.isfinite(v) for v in vals):
+        raise ValueError(f"{name} must be finite, got {vals}")
+    return vals
+
+
+@dataclass(frozen=True)
+class Normalization:
+    """Per-channel input scales and per-class mean weights, stored with a trained model.
+
+    ``scale``: each channel's training-set maximum (images are divided by it; a scale of zero or
+    less, i.e. an all-empty channel, leaves that channel unchanged). ``class_weight_mean``: mean
+    event weight of ``[background, signal]`` (see :func:`class_weight_means`).
+    """
+
+    scale: Tuple[float, float, float]
+    class_weight_mean: Tuple[float, float] = (1.0, 1.0)
+
+    def __post_init__(self):
+        object.__setattr__(self, "scale", _positive_finite("scale", self.scale, 3))
+        cwm = _positive_finite("class_weight_mean", self.class_weight_mean, 2)
+        if min(cwm) <= 0:
+            raise ValueError(f"class_weight_mean must be positive, got {cwm}")
+        object.__setattr__(self, "class_weight_mean", cwm)
+
+    @classmethod
+    def from_file(cls, path, chunk: int = DEFAULT_CHUNK) -> "Normalization":
+        """Scales and class means of a (training) file."""
+        hep = _as_hep(path)
+        return cls(
+            tuple(channel_max(hep, chunk).tolist()), tuple(class_weight_means(hep, chunk).tolist())
+        )
+
+    def _divisor(self) -> np.ndarray:
+        s = np.asarray(self.scale, dtype=np.float32)
+        return np.where(s > 0, s, np.float32(1.0))
+
+    def apply(self, images: np.ndarray, inplace: bool = False) -> np.ndarray:
+        """``images`` (``(..., 3)``, channels last) divided by the channel scales, float32."""
+        images = np.asarray(images)
+        if images.ndim < 1 or images.shape[-1] != 3:
+            raise ValueError(f"images must have 3 channels last, got shape {images.shape}")
+        if inplace:
+            if images.dtype != np.float32:
+                raise ValueError(f"inplace normalisation needs float32 images, got {images.dtype}")
+            images /= self._divisor()
+            return images
+        return np.divide(images, self._divisor(), dtype=np.float32)
+
+    def event_weights(self, y, w) -> np.ndarray:
+        """Class-balanced training weights ``w / class_weight_mean[y]`` (float32)."""
+        y = np.asarray(y).astype(np.int64)
+        return (np.asarray(w, dtype=np.float64) / np.asarray(self.class_weight_mean)[y]).astype(
+            np.float32
+        )
+
+    def to_dict(self) -> dict:
+        return {"scale": list(self.scale), "class_weight_mean": list(self.class_weight_mean)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Normalization":
+        if not isinstance(d, Mapping) or "scale" not in d:
+            raise ValueError(f"normalisation must be a mapping with a 'scale' entry, got {d!r}")
+        unknown = set(d) - {"scale", "class_weight_mean"}
+        if unknown:
+            raise ValueError(f"unknown normalisation entries: {sorted(unknown)}")
+        return cls(tuple(d["scale"]), tuple(d.get("class_weight_mean", (1.0, 1.0))))
+
+
+# --------------------------------------------------------------------------------------------------
+# batch iteration
+
+
+_DONE = object()
+
+
+def _put(q: "queue.Queue", item, stop: threading.Event) -> bool:
+    """Put into the bounded queue unless asked to stop; False when stopping."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def _chunk_stream(
+    hep: HepFile,
+    start: int,
+    stop: int,
+    norm: Optional[Normalization],
+    shuffle: bool,
+    seed: int,
+    rank: int,
+    epochs: Optional[int],
+    chunk_events: int,
+    halt: threading.Event,
+) -> Iterator[Tuple[int, Optional[Batch]]]:
+    """Yield ``(epoch, chunk)`` for each chunk of the shard and ``(epoch, None)`` at epoch ends."""
+    bounds = list(_chunks(start, stop, chunk_events))
+    with hep.open() as reader:
+        epoch = 0
+        while epochs is None or epoch < epochs:
+            order = np.arange(len(bounds))
+            rng = np.random.default_rng([seed, rank, epoch]) if shuffle else None
+            if rng is not None:
+                rng.shuffle(order)
+            for i in order:
+                if halt.is_set():
+                    return
+                lo, hi = bounds[i]
+                b = reader.read(lo, hi)
+                x = b.x if norm is None else norm.apply(b.x, inplace=True)
+                if rng is not None:
+                    perm = rng.permutation(hi - lo)
+                    b = Batch(
+                        x[perm], b.y[perm], b.w[perm],
+                        None if b.pass_sr is None else b.pass_sr[perm], b.index[perm],
+                    )
+                else:
+                    b = b._replace(x=x)
+                yield epoch, b
+            yield epoch, None
+            epoch += 1
+
+
+def _producer(stream: Iterator, q: "queue.Queue", halt: threading.Event) -> None:
+    try:
+        for item in stream:
+            if not _put(q, item, halt):
+                return
+        _put(q, _DONE, halt)
+    except BaseException as exc:  # handed to the consumer, re-raised there
+        _put(q, exc, halt)
+    finally:
+        stream.close()
+
+
+def _concat(parts: list) -> Batch:
+    if len(parts) == 1:
+        return parts[0]
+    sr = None if parts[0].pass_sr is None else np.concatenate([p.pass_sr for p in parts])
+    return Batch(
+        np.concatenate([p.x for p in parts]),
+        np.concatenate([p.y for p in parts]),
+        np.concatenate([p.w for p in parts]),
+        sr,
+        np.concatenate([p.index for p in parts]),
+    )
+
+
+def _slice(b: Batch, lo: int, hi: int) -> Batch:
+    return Batch(
+        b.x[lo:hi], b.y[lo:hi], b.w[lo:hi], None if b.pass_sr is None else b.pass_sr[lo:hi],
+        b.index[lo:hi],
+    )
+
+
+class BatchIterator:
+    """Iterator of :class:`Batch` es over one rank's shard; see :func:`iter_batches`.
+
+    With ``prefetch > 0`` a daemon thread reads chunks ahead into a queue of ``prefetch`` chunks.
+    The thread holds no reference to this object, so dropping the iterator (or calling
+    :meth:`close`, or leaving a ``with`` block) stops it.
+    """
+
+    def __init__(
+        self,
+        hep: HepFile,
+        batch_size: int,
+        start: int,
+        stop: int,
+        *,
+        norm: Optional[Normalization],
+        shuffle: bool,
+        seed: int,
+        rank: int,
+        epochs: Optional[int],
+        chunk_events: int,
+        prefetch: int,
+        drop_remainder: bool,
+    ):
+        self.batch_size = batch_size
+        self.drop_remainder = drop_remainder
+        self.shard = (start, stop)
+        self._halt = threading.Event()
+        self._pending: list = []  # parts of the next batch, all of the current epoch
+        self._pending_n = 0
+        self._current: Optional[Batch] = None  # the chunk being cut into batches
+        self._pos = 0
+        self._epoch = 0
+        self._finished = False
+        stream = _chunk_stream(
+            hep, start, stop, norm, shuffle, seed, rank, epochs, chunk_events, self._halt
+        )
+        if prefetch > 0:
+            self._queue: Optional[queue.Queue] = queue.Queue(maxsize=prefetch)
+            self._stream = None
+            self._thread: Optional[threading.Thread] = threading.Thread(
+                target=_producer,
+                args=(stream, self._queue, self._halt),
+                name=f"hep-prefetch-{hep.path.name}-r{rank}",
+                daemon=True,
+            )
+            self._thread.start()
+        else:
+            self._queue = None
+            self._thread = None
+            self._stream = stream
+
+    def _next_chunk(self):
+        if self._queue is None:
+            return next(self._stream, _DONE)
+        while True:
+            try:
+                item = self._queue.get(timeout=0.1)
+            except queue.Empty:
+                if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("HEP prefetch thread died without finishing") from None
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def __iter__(self) -> "BatchIterator":
+        return self
+
+    def __next__(self) -> Batch:
+        if self._finished:
+            raise StopIteration
+        bs = self.batch_size
+        while True:
+            cur = self._current
+            if cur is not None and self._pos < len(cur.y):
+                take = min(bs - self._pending_n, len(cur.y) - self._pos)
+                self._pending.append(_slice(cur, self._pos, self._pos + take))
+                self._pending_n += take
+                self._pos += take
+                if self._pending_n == bs:
+                    return self._flush()
+                continue
+            try:
+                item = self._next_chunk()
+            except BaseException:
+                self.close()
+                raise
+            if item is _DONE:
+                self.close()
+                raise StopIteration
+            epoch, chunk = item
+            self._current, self._pos = chunk, 0
+            if chunk is None:  # end of an epoch: the remainder is dropped or yielded short
+                if self._pending_n and not self.drop_remainder:
+                    return self._flush()
+                self._pending, self._pending_n = [], 0
+
+    def _flush(self) -> Batch:
+        batch = _concat(self._pending)
+        self._pending, self._pending_n = [], 0
+        return batch
+
+    def close(self) -> None:
+        """Stop the prefetch thread and release the file. Idempotent."""
+        self._finished = True
+        self._halt.set()
+        self._current = None
+        self._pending = []
+        if self._queue is not None:
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+        if self._stream is not None:
+            self._stream.close()
+
+    def __enter__(self) -> "BatchIterator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def iter_batches(
+    path,
+    batch_size: int,
+    rank: int = 0,
+    size: int = 1,
+    norm: Optional[Normalization] = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    epochs: Optional[int] = None,
+    chunk_events: int = DEFAULT_CHUNK,
+    prefetch: int = 2,
+    drop_remainder: bool = True,
+) -> BatchIterator:
+    """Batches ``(x, y, w, pass_sr, index)`` of this rank's shard of the file at ``path``.
+
+    ``x`` is NHWC float32 (divided by ``norm``'s scales when given), ``y`` int32, ``w`` float32
+    event weights (raw; class-balance them with :meth:`Normalization.event_weights`), ``pass_sr``
+    bool or ``None``, ``index`` the int64 event numbers in the file.
+
+    Only events :func:`shard_range` gives ``rank`` are read, ``chunk_events`` at a time. Training
+    mode (``shuffle=True``): each epoch visits the shard's chunks in a seeded random order and
+    permutes the events inside each chunk (a function of ``seed``, ``rank`` and the epoch number);
+    batches run across chunk boundaries, and an epoch's last partial batch is dropped unless
+    ``drop_remainder=False``. ``epochs=None`` repeats forever. Evaluation mode
+    (``shuffle=False, drop_remainder=False, epochs=1``) yields every event of the shard exactly
+    once, in file order.
+
+    ``prefetch`` chunks are read ahead by a background thread (0 reads in the caller's thread).
+    Close the returned iterator (or use it as a context manager) when stopping early; dropping it
+    also stops the thread.
+    """
+    hep = _as_hep(path)
+    batch_size = _check_chunk(batch_size, "batch_size")
+    chunk_events = _check_chunk(chunk_events, "chunk_events")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
+        raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+    if epochs is not None and (
+        isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1
+    ):
+        raise ValueError(f"epochs must be None (forever) or a positive integer, got {epochs!r}")
+    start, stop = shard_range(hep.n_events, rank, size)
+    n = stop - start
+    if epochs is None and (n == 0 or (drop_remainder and n < batch_size)):
+        raise ValueError(
+            f"rank {rank}/{size} owns {n} events of {hep.path}, fewer than batch_size={batch_size}: "
+            "an endless epoch loop would never yield a batch"
+        )
+    return BatchIterator(
+        hep, batch_size, start, stop,
+        norm=norm, shuffle=bool(shuffle), seed=int(seed), rank=int(rank), epochs=epochs,
+        chunk_events=chunk_events, prefetch=int(prefetch), drop_remainder=bool(drop_remainder),
+    )
