@@ -8,7 +8,6 @@ nothing; only `start_rendezvous` has a side effect (a listening thread in the ca
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -199,7 +198,3 @@ def worker_environ(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[st
     env.update(extra)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def this_environ() -> dict[str, str]:
-    return dict(os.environ)

@@ -11,27 +11,11 @@ Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import tensorflow as tf
 
-
-@dataclass(frozen=True)
-class FlopCount:
-    """FLOPs per example."""
-
-    forward: int
-    backward: int
-
-    @property
-    def training(self) -> int:
-        return self.forward + self.backward
-
-    def __add__(self, other: "FlopCount") -> "FlopCount":
-        return FlopCount(self.forward + other.forward, self.backward + other.backward)
+from hpcdl.flops import ZERO, FlopCount  # noqa: F401  (re-exported for layers' users)
 
 
-ZERO = FlopCount(0, 0)
 
 
 def _glorot(rng: tf.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> tf.Tensor:

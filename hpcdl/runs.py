@@ -119,7 +119,7 @@ def new_run_id(job: Job) -> str:
 
 
 @contextmanager
-def create_run(job: Job, backend: str) -> Iterator[tuple[RunDir, RunDir]]:
+def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tuple[RunDir, RunDir]]:
     """Build a run directory under a temporary name; it appears at its final path only if the
     body succeeds, so an error while preparing leaves no half-made run behind.
 
@@ -127,7 +127,7 @@ def create_run(job: Job, backend: str) -> Iterator[tuple[RunDir, RunDir]]:
     submission (scripts, commands)."""
     runs_dir = Path(job.run.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    run_id = new_run_id(job)
+    run_id = run_id or new_run_id(job)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{run_id}-", dir=runs_dir))
     final = runs_dir / run_id
     try:
@@ -140,6 +140,7 @@ def create_run(job: Job, backend: str) -> Iterator[tuple[RunDir, RunDir]]:
         })
         for g in range(job.run.groups):
             staged.group_dir(g).mkdir(parents=True)
+        staged.scheduler_dir.mkdir()
         yield staged, RunDir(final)
         os.rename(staging, final)
     except BaseException:

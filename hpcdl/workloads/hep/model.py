@@ -7,29 +7,12 @@ dense to 2 logits (background, signal).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import tensorflow as tf
 
-from hpcdl.config import JobError
-from hpcdl.nn import ZERO, Conv2D, Dense, FlopCount, named_variables
+from hpcdl.flops import ZERO, FlopCount
+from hpcdl.nn import Conv2D, Dense, named_variables
+from hpcdl.workloads.hep.config import HepModelConfig
 from hpcdl.workloads.base import Model
-
-
-@dataclass(frozen=True)
-class HepModelConfig:
-    filters: int = 128
-    conv_layers: int = 5
-    kernel: int = 3
-    pool: int = 2
-    dropout: float = 0.2
-
-    def validate(self) -> None:
-        for name in ("filters", "conv_layers", "kernel", "pool"):
-            if getattr(self, name) < 1:
-                raise JobError(f"model.{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise JobError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
 class HepCNN(tf.Module, Model):

@@ -1,0 +1,255 @@
+"""`hpcdl`: parse, call the library, print. Nothing here decides how training or scheduling works."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from hpcdl import __version__
+
+# TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# Piped output (logs, CI) is not wrapped at 80 columns: tables stay readable there too.
+console = Console(width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True)
+
+
+class HpcdlGroup(click.Group):
+    """Turns the library's input errors into one line and exit 2, and failures into exit 1."""
+
+    def invoke(self, ctx):
+        from hpcdl.config import JobError
+        from hpcdl.evaluate import EvaluateError
+        from hpcdl.launch import LaunchError
+        from hpcdl.runs import RunError
+        from hpcdl.schedulers.base import SchedulerError
+
+        try:
+            return super().invoke(ctx)
+        except (JobError, RunError, EvaluateError, LaunchError) as exc:
+            raise click.UsageError(str(exc), ctx) from None
+        except SchedulerError as exc:
+            raise click.ClickException(str(exc)) from None
+        except ValueError as exc:  # data errors from workload readers
+            if type(exc).__name__ in ("DataError", "CorruptFile"):
+                raise click.UsageError(str(exc), ctx) from None
+            raise
+
+
+def _emit_json(data) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+@click.group(cls=HpcdlGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcdl")
+def main() -> None:
+    """Hybrid synchronous/asynchronous deep learning on CPU clusters (Kurth et al., SC17).
+
+    Nodes are split into groups; each group trains synchronously with Horovod; groups exchange
+    updates asynchronously through a shared directory. Start with `hpcdl data generate hep`,
+    then `hpcdl submit hep`, `hpcdl status` and `hpcdl evaluate RUN`.
+    """
+
+
+# -- submit --------------------------------------------------------------------------------------
+@main.command()
+@click.argument("job")
+@click.option("--backend", type=click.Choice(["local", "slurm"]), help="Where to run (default: the job's run.backend).")
+@click.option("--nodes", type=click.IntRange(min=1), help="Nodes in total (run.nodes).")
+@click.option("--group-size", type=click.IntRange(min=0), help="Nodes per synchronous group; must divide --nodes (run.group_size, 0 = one group).")
+@click.option("--ranks-per-node", type=click.IntRange(min=1), help="Horovod ranks per node (run.ranks_per_node).")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override any job field, e.g. --set train.steps=2000 (repeatable).")
+@click.option("--runs-dir", type=click.Path(file_okay=False), help="Where run directories go (run.runs_dir, default ./runs).")
+@click.option("--dry-run", is_flag=True, help="Print the exact scripts and commands; submit nothing, write nothing.")
+@click.option("--detach", is_flag=True, help="Local backend: run in the background and return at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir, dry_run, detach, as_json):
+    """Start a run of JOB (a name in jobs/, e.g. `hep`, or a path to a .toml job file).
+
+    The local backend trains in the foreground with a progress bar (Ctrl-C cancels); the slurm
+    backend submits a job array, one element per group, and returns.
+    """
+    from hpcdl.submit import prepare, submit_run
+
+    cli_overrides = list(overrides)
+    for key, value in (("run.backend", backend and f'"{backend}"'), ("run.nodes", nodes),
+                       ("run.group_size", group_size), ("run.ranks_per_node", ranks_per_node),
+                       ("run.runs_dir", runs_dir and json.dumps(str(runs_dir)))):
+        if value is not None:
+            cli_overrides.append(f"{key}={value}")
+    prepared = prepare(job, cli_overrides)
+    if dry_run:
+        text = prepared.dryrun.render()
+        _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,
+                    "commands": prepared.dryrun.commands}) if as_json else click.echo(text, nl=False)
+        return
+    if prepared.scheduler.name == "local" and not detach and not as_json:
+        from hpcdl.display import training_progress
+
+        with training_progress(console) as progress:
+            tasks = {}
+
+            def on_tick(supervisor):
+                for g, gp in supervisor.groups.items():
+                    state = _read_state(supervisor.run.group_state_file(g))
+                    if g not in tasks:
+                        tasks[g] = progress.add_task("", total=supervisor.job.train.steps, group=g, info="")
+                    info = gp.state
+                    if state.get("loss") is not None:
+                        info = (f"loss {state['loss']:.3f} · {state['images_per_s']:.0f} img/s · "
+                                f"{state['flops_per_s_group'] / 1e9:.1f} GFLOP/s" +
+                                (f" · restarts {gp.restarts}" if gp.restarts else ""))
+                    progress.update(tasks[g], completed=state.get("step", 0), info=info)
+
+            result = submit_run(prepared, foreground=True, on_tick=on_tick)
+    else:
+        result = submit_run(prepared, foreground=not detach)
+    if as_json:
+        _emit_json(result)
+    else:
+        console.print(f"run: [bold]{result['run_dir']}[/]")
+        if result.get("ok") is False:
+            err.print("[red]the run did not finish: see `hpcdl status` and the logs under groups/[/]")
+    if result.get("ok") is False:
+        sys.exit(1)
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+# -- status / cancel ------------------------------------------------------------------------------
+@main.command()
+@click.argument("run", required=False)
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--watch", is_flag=True, help="Refresh every --interval seconds until the run ends (Ctrl-C stops).")
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2))
+def status(run, runs_dir, as_json, watch, interval):
+    """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
+    from hpcdl.display import status_view
+    from hpcdl.runs import find_run
+    from hpcdl.status import collect
+
+    run_dir = find_run(run, runs_dir)
+    if as_json:
+        _emit_json(collect(run_dir))
+        return
+    if not watch:
+        console.print(status_view(collect(run_dir)))
+        return
+    from rich.live import Live
+
+    with Live(status_view(collect(run_dir)), console=console, refresh_per_second=4) as live:
+        try:
+            while True:
+                current = collect(run_dir)
+                live.update(status_view(current))
+                if current["state"] not in ("running", "pending"):
+                    break
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            pass
+
+
+@main.command()
+@click.argument("run", required=False)
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+def cancel(run, runs_dir):
+    """Stop every process or SLURM job of a run (safe to repeat)."""
+    from hpcdl.runs import find_run
+    from hpcdl.schedulers import get_scheduler
+
+    run_dir = find_run(run, runs_dir)
+    click.echo(get_scheduler(run_dir.info()["backend"]).cancel(run_dir))
+
+
+# -- evaluate -------------------------------------------------------------------------------------
+@main.command()
+@click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
+@click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
+@click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (.npz or .csv).")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
+def evaluate(checkpoint, data, out_dir, scores_out, as_json):
+    """Score a model. CHECKPOINT is a run directory, a checkpoint directory or a checkpoint prefix."""
+    from hpcdl.evaluate import evaluate as run_evaluate
+
+    if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
+        raise click.BadParameter("must end in .npz or .csv", param_hint="--scores-out")
+    result = run_evaluate(checkpoint, data, out_dir, scores_out)
+    if as_json:
+        _emit_json(result)
+        return
+    from hpcdl.display import metrics_table
+
+    console.print(metrics_table(f"{result['model']} on {result['data']}", result))
+
+
+# -- data -----------------------------------------------------------------------------------------
+@main.group()
+def data():
+    """Generate synthetic data sets in the published layouts."""
+
+
+@data.command("generate")
+@click.argument("workload", type=click.Choice(["hep"]))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for train.h5, val.h5, test.h5.")
+@click.option("--events", required=True, type=click.IntRange(min=10), help="Events in total (80/10/10 %).")
+@click.option("--image-size", default=64, show_default=True, type=click.IntRange(min=8, max=512), help="Calorimeter image side (the paper: 64 or 224).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
+def data_generate(workload, out_dir, events, image_size, seed, as_json):
+    """Write a physics-motivated synthetic data set (NERSC RPV-SUSY HDF5 layout for hep)."""
+    from hpcdl.display import counting_progress
+    from hpcdl.workloads.hep.generate import generate
+
+    progress, task = counting_progress(err, "generating events", events)
+    with progress:
+        files = generate(out_dir, events, image_size=image_size, seed=seed,
+                         progress=lambda n: progress.advance(task, n))
+    if as_json:
+        _emit_json({k: str(v) for k, v in files.items()})
+    else:
+        for name, path in files.items():
+            console.print(f"{name}: {path}")
+
+
+# -- doctor / completion --------------------------------------------------------------------------
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def doctor(as_json):
+    """Report versions, how Horovod was built, oneDNN, and the thread settings a rank would use."""
+    from hpcdl.doctor import report
+
+    info = report()
+    if as_json:
+        _emit_json(info)
+        return
+    from hpcdl.display import metrics_table
+
+    console.print(metrics_table("hpcdl doctor", info))
+
+
+@main.command()
+@click.argument("shell", type=click.Choice(["bash", "zsh", "fish"]))
+def completion(shell):
+    """Print the shell completion script: eval "$(hpcdl completion bash)"."""
+    from click.shell_completion import get_completion_class
+
+    cls = get_completion_class(shell)
+    click.echo(cls(main, {}, "hpcdl", "_HPCDL_COMPLETE").source())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Score a trained model: from a checkpoint, a checkpoint directory, or a whole run.
+
+For a run directory the model is the run's best estimate of the result: the applier's newest
+master weights when the run had an exchange, else group 0's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpcdl.runs import RunDir
+
+
+class EvaluateError(ValueError):
+    """The path is not something that holds a trained model."""
+
+
+def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
+    """(checkpoint directory or prefix, the run it belongs to if `path` is a run)."""
+    if (path / "job.toml").is_file() and (path / "run.json").is_file():
+        run = RunDir(path)
+        ckpt = run.checkpoint_dir(0)
+        if not (ckpt / "manifest.json").is_file():
+            raise EvaluateError(f"run {path} has no checkpoint yet")
+        return ckpt, run
+    if path.is_dir() and (path / "manifest.json").is_file():
+        return path, None
+    if Path(str(path) + ".index").is_file() and (path.parent / "manifest.json").is_file():
+        return path, None
+    raise EvaluateError(
+        f"{path} is not a checkpoint (expected a run directory, a checkpoint directory with "
+        "manifest.json, or a checkpoint prefix such as .../ckpt-600)"
+    )
+
+
+def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
+             scores_out: Path | None = None, progress=None) -> dict[str, Any]:
+    from hpcdl.train import load_model
+    from hpcdl.workloads import get_workload
+
+    checkpoint, run = resolve_checkpoint(path)
+    try:
+        model, manifest = load_model(checkpoint, get_workload)
+    except FileNotFoundError as exc:
+        raise EvaluateError(str(exc)) from None
+    source = manifest["checkpoint"]
+    if run is not None:
+        job = run.load_job()
+        if job.exchange.active(job.run.groups):
+            from hpcdl.hybrid import adopt_master_weights
+
+            version = adopt_master_weights(run, job, model)
+            if version is not None:
+                source = f"master weights v{version} ({run.exchange_dir(job)})"
+    workload = get_workload(manifest["workload"])
+    if data is None:
+        data = Path(manifest["job"]["data"]["test"])
+    if not data.is_file():
+        raise EvaluateError(f"data file not found: {data}")
+    out_dir = out_dir or (run.root / "eval" if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
+    return {"model": source, "data": str(data), **result}

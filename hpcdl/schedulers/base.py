@@ -1,0 +1,70 @@
+"""One interface, several backends.
+
+`submit_dryrun(request)` is pure: it renders everything the backend would write and run (scripts,
+commands) from the request alone, probing nothing, so `--dry-run` shows the exact submission and
+golden tests need no patching. `schedule(dryrun)` carries it out. `describe` reads the run's
+state; `cancel` is safe to repeat.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from hpcdl.config import Job
+from hpcdl.runs import RunDir
+
+
+class SchedulerError(RuntimeError):
+    """A submission, query or cancellation that failed; the message is for the user."""
+
+
+@dataclass(frozen=True)
+class SubmitRequest:
+    """Everything a backend needs to render a submission."""
+
+    job: Job
+    run: RunDir  # where the run directory will be (rendered paths point here)
+    python: str  # the interpreter that has hpcdl installed
+    cluster: dict[str, Any] = field(default_factory=dict)  # facts fetched beforehand (SLURM)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """The exact submission: files to write into the run directory and commands to run."""
+
+    backend: str
+    files: dict[str, str]  # path relative to the run directory -> content
+    commands: list[list[str]]
+    request: SubmitRequest
+
+    def render(self) -> str:
+        import shlex
+
+        parts = []
+        for name, text in self.files.items():
+            parts.append(f"# --- {name} ---\n{text}")
+        parts.append("# --- commands ---")
+        parts.extend(" ".join(shlex.quote(a) for a in cmd) for cmd in self.commands)
+        return "\n".join(parts) + "\n"
+
+
+class Scheduler(ABC):
+    name: str
+
+    @abstractmethod
+    def submit_dryrun(self, request: SubmitRequest) -> DryRun:
+        """Render the submission; no side effects."""
+
+    @abstractmethod
+    def schedule(self, dryrun: DryRun) -> dict[str, Any]:
+        """Carry out a rendered submission; all or nothing. Returns ids to record in run.json."""
+
+    @abstractmethod
+    def describe(self, run: RunDir) -> dict[str, Any]:
+        """The backend's view of the run: {"groups": {g: {...}}, "applier": {...}, "note": str}."""
+
+    @abstractmethod
+    def cancel(self, run: RunDir) -> str:
+        """Stop everything of the run that still runs; repeating it is harmless."""

@@ -1,0 +1,275 @@
+"""The embedded backend: a run's groups as processes on this machine, watched by a supervisor.
+
+Each group is its own Gloo world: the supervisor starts one Horovod HTTP rendezvous per group and
+the group's ranks as `python -m hpcdl.worker RUN` with Horovod's variables set (no ssh, no
+horovodrun). When the exchange is on, the applier runs as one more process. A group whose rank
+dies is stopped whole and started again (bounded retries, growing backoff); it resumes from its
+newest checkpoint and the newest master weights. The supervisor publishes its view to
+`scheduler/local.json`, so `hpcdl status` and `hpcdl cancel` work from any shell.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from hpcdl.config import Job
+from hpcdl.launch import local_group, start_rendezvous, worker_environ
+from hpcdl.runs import RunDir, write_json_atomic
+from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
+
+STATE_FILE = "scheduler/local.json"
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+
+
+def _die_with_parent() -> None:
+    """Linux: a rank gets SIGTERM if its supervisor dies, so no orphan keeps a core busy."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_command(python: str, run: RunDir) -> list[str]:
+    return [python, "-m", "hpcdl.worker", str(run.root)]
+
+
+def applier_command(python: str, run: RunDir, job: Job) -> list[str]:
+    x = job.exchange
+    return [
+        python, "-m", "hpcdl.applier",
+        "--exchange", str(run.exchange_dir(job)), "--run-id", run.run_id,
+        "--optimizer", x.optimizer, "--lr", repr(x.learning_rate),
+        "--max-staleness", str(x.max_staleness), "--stale-policy", x.stale_policy,
+        "--keep-versions", str(x.keep_versions),
+    ]
+
+
+@dataclass
+class GroupProcs:
+    group: int
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    rendezvous: Any = None
+    restarts: int = 0
+    state: str = "pending"
+    next_start: float = 0.0
+    exit_codes: list[int | None] = field(default_factory=list)
+
+
+class Supervisor:
+    """Starts, watches and restarts a run's processes; one per run, in the foreground or detached."""
+
+    def __init__(self, run: RunDir, python: str = sys.executable):
+        self.run = run
+        self.job = run.load_job()
+        self.python = python
+        self.groups = {g: GroupProcs(g) for g in range(self.job.run.groups)}
+        self.applier: subprocess.Popen | None = None
+        self.applier_restarts = 0
+        self.stopping = False
+
+    # -- processes -------------------------------------------------------------------------
+    def _start_group(self, gp: GroupProcs) -> None:
+        ranks = self.job.run.ranks_per_group
+        envs = local_group(gp.group, ranks)
+        gp.rendezvous, port = start_rendezvous(envs)
+        gp.procs = []
+        for env in envs:
+            log = open(self.run.rank_log(gp.group, env.rank), "ab")
+            child_env = worker_environ(os.environ, env.to_horovod_env("127.0.0.1", port, iface="lo"))
+            gp.procs.append(subprocess.Popen(
+                worker_command(self.python, self.run), env=child_env, stdout=log,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            ))
+            log.close()
+        gp.state = "running"
+
+    def _stop_group(self, gp: GroupProcs) -> None:
+        _terminate(gp.procs)
+        if gp.rendezvous is not None:
+            gp.rendezvous.stop()
+            gp.rendezvous = None
+
+    def _start_applier(self) -> None:
+        log = open(self.run.applier_log, "ab")
+        self.applier = subprocess.Popen(
+            applier_command(self.python, self.run, self.job), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+        )
+        log.close()
+
+    # -- the loop --------------------------------------------------------------------------
+    def poll(self) -> bool:
+        """One round of watching; returns True while anything still has to run."""
+        now = time.monotonic()
+        for gp in self.groups.values():
+            if gp.state == "pending" and now >= gp.next_start:
+                self._start_group(gp)
+            elif gp.state == "running":
+                codes = [p.poll() for p in gp.procs]
+                gp.exit_codes = codes
+                if all(c == 0 for c in codes):
+                    self._stop_group(gp)
+                    gp.state = "finished"
+                elif any(c not in (None, 0) for c in codes):
+                    self._stop_group(gp)
+                    if gp.restarts >= self.job.run.max_restarts:
+                        gp.state = "failed"
+                    else:
+                        gp.restarts += 1
+                        gp.state = "pending"
+                        gp.next_start = now + BACKOFF_S[min(gp.restarts - 1, len(BACKOFF_S) - 1)]
+        active = any(gp.state in ("pending", "running") for gp in self.groups.values())
+        if self.applier is not None and self.applier.poll() is not None and active:
+            if self.applier_restarts < self.job.run.max_restarts * 3:
+                self.applier_restarts += 1
+                self._start_applier()
+        self.publish()
+        return active
+
+    def publish(self) -> None:
+        write_json_atomic(self.run.root / STATE_FILE, {
+            "supervisor_pid": os.getpid(),
+            "updated": time.time(),
+            "groups": {
+                str(g): {"state": gp.state, "restarts": gp.restarts,
+                         "pids": [p.pid for p in gp.procs if p.poll() is None],
+                         "exit_codes": gp.exit_codes}
+                for g, gp in self.groups.items()
+            },
+            "applier": None if self.applier is None else {
+                "pid": self.applier.pid, "running": self.applier.poll() is None,
+                "restarts": self.applier_restarts,
+            },
+        })
+
+    def run_until_done(self, on_tick: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
+        """Run everything to the end; True if every group finished."""
+        if self.job.exchange.active(self.job.run.groups):
+            self._start_applier()
+        try:
+            while self.poll() and not self.stopping:
+                if on_tick:
+                    on_tick()
+                time.sleep(interval)
+        finally:
+            self.shutdown()
+        if on_tick:
+            on_tick()
+        return all(gp.state == "finished" for gp in self.groups.values())
+
+    def shutdown(self) -> None:
+        for gp in self.groups.values():
+            if gp.state in ("running", "pending"):
+                self._stop_group(gp)
+                gp.state = "cancelled"
+        if self.applier is not None:
+            # The applier drains what is already published, then exits on SIGTERM.
+            _terminate([self.applier], grace=30.0)
+        self.publish()
+
+
+def _terminate(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class LocalScheduler(Scheduler):
+    name = "local"
+
+    def submit_dryrun(self, request: SubmitRequest) -> DryRun:
+        job, run = request.job, request.run
+        commands = []
+        if job.exchange.active(job.run.groups):
+            commands.append(applier_command(request.python, run, job))
+        for g in range(job.run.groups):
+            for env in local_group(g, job.run.ranks_per_group):
+                hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
+                commands.append(["env", *(f"{k}={v}" for k, v in sorted(hvd.items()) if k != "HOROVOD_GLOO_RENDEZVOUS_PORT"),
+                                 *worker_command(request.python, run)])
+        return DryRun(backend=self.name, files={}, commands=commands, request=request)
+
+    def schedule(self, dryrun: DryRun, foreground: bool = True,
+                 on_tick: Callable[[Supervisor], None] | None = None) -> dict[str, Any]:
+        """Foreground: supervise here until the run ends. Detached: a supervisor process."""
+        run = dryrun.request.run
+        if foreground:
+            supervisor = Supervisor(run, dryrun.request.python)
+            previous = signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
+            try:
+                ok = supervisor.run_until_done(on_tick=(lambda: on_tick(supervisor)) if on_tick else None)
+            except KeyboardInterrupt:
+                ok = False
+            finally:
+                signal.signal(signal.SIGTERM, previous)
+            return {"supervisor_pid": os.getpid(), "ok": ok}
+        log = open(run.root / "scheduler" / "supervisor.log", "ab")
+        proc = subprocess.Popen(
+            [dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        log.close()
+        return {"supervisor_pid": proc.pid}
+
+    def describe(self, run: RunDir) -> dict[str, Any]:
+        import json
+
+        path = run.root / STATE_FILE
+        try:
+            state = json.loads(path.read_text())
+        except FileNotFoundError:
+            return {"groups": {}, "applier": None, "note": "not started yet"}
+        state["note"] = ""
+        if not _pid_alive(state.get("supervisor_pid")):
+            for info in state["groups"].values():
+                if info["state"] in ("running", "pending"):
+                    info["state"] = "lost"  # the supervisor died without finishing its groups
+                    state["note"] = "the supervisor is gone"
+        return state
+
+    def cancel(self, run: RunDir) -> str:
+        state = self.describe(run)
+        pid = state.get("supervisor_pid")
+        if pid and _pid_alive(pid):
+            os.kill(pid, signal.SIGTERM)
+            return f"sent SIGTERM to the supervisor (pid {pid})"
+        return "nothing running"
+
+
+def _pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpcdl.schedulers.local RUN_DIR`: the detached supervisor."""
+    args = argv if argv is not None else sys.argv[1:]
+    supervisor = Supervisor(RunDir(Path(args[0])))
+    signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
+    return 0 if supervisor.run_until_done() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""A run's status, read only from files: works while the run goes on, after it ends, from any shell.
+
+Sources: run.json and job.toml (what was asked), each group's state.json and metrics.jsonl (what
+its root reports), the applier's status.json in the exchange directory, and the backend's own view
+(`Scheduler.describe`: local processes, or SLURM's squeue/sacct).
+
+FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *sustained* the
+work of the whole run divided by its wall time (data loading, checkpoints and exchange included);
+the totals add the groups' rates.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from hpcdl.runs import RunDir, read_jsonl
+
+
+def _read_json(path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str, Any]:
+    info = run.info()
+    job = run.load_job()
+    if backend_view is None:
+        from hpcdl.schedulers import get_scheduler
+
+        backend_view = get_scheduler(info["backend"]).describe(run)
+    now = time.time()
+    groups = []
+    for g in range(job.run.groups):
+        metrics = read_jsonl(run.metrics_file(g))
+        state = _read_json(run.group_state_file(g)) or {}
+        last = metrics[-1] if metrics else {}
+        backend = backend_view.get("groups", {}).get(str(g), {})
+        reported = state.get("state", "pending")
+        groups.append({
+            "group": g,
+            "state": _group_state(reported, backend.get("state")),
+            "step": last.get("step", 0),
+            "steps": job.train.steps,
+            "loss": last.get("loss"),
+            "images_per_s": last.get("images_per_s"),
+            "flops_per_s": last.get("flops_per_s_group"),
+            "peak_flops_per_s": max((m.get("flops_per_s_group", 0.0) for m in metrics), default=None),
+            "sustained_flops_per_s": last.get("sustained_flops_per_s_group"),
+            "last_report_age_s": now - last["time"] if "time" in last else None,
+            "exchange_age_s": now - last["exchange_last_s"] if last.get("exchange_last_s") else None,
+            "exchange_version": last.get("exchange_version"),
+            "published": last.get("exchange_published"),
+            "adopted": last.get("exchange_adopted"),
+            "restarts": backend.get("restarts", 0),
+            "backend": backend,
+        })
+    applier = None
+    if job.exchange.active(job.run.groups):
+        applier = _read_json(run.exchange_dir(job) / "applier" / "status.json") or {}
+        applier["backend"] = backend_view.get("applier")
+        for entry in groups:
+            per_group = (applier.get("groups") or {}).get(str(entry["group"]), {})
+            entry["staleness_mean"] = per_group.get("staleness_mean")
+            entry["staleness_max"] = per_group.get("staleness_max")
+    totals = {
+        "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == "running"),
+        "sustained_flops_per_s": _sum(g["sustained_flops_per_s"] for g in groups),
+        "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
+        "nodes": job.run.nodes,
+    }
+    return {
+        "run_id": run.run_id,
+        "run_dir": str(run.root),
+        "workload": job.workload,
+        "backend": info["backend"],
+        "created": info.get("created"),
+        "state": _run_state([g["state"] for g in groups]),
+        "note": backend_view.get("note", ""),
+        "groups": groups,
+        "applier": applier,
+        "totals": totals,
+    }
+
+
+def _group_state(reported: str, scheduler_state: str | None) -> str:
+    """The training's own word wins once it finished; otherwise the scheduler knows better."""
+    if reported == "finished":
+        return "finished"
+    return (scheduler_state or reported).lower()
+
+
+def _run_state(states: list[str]) -> str:
+    if all(s == "finished" for s in states):
+        return "finished"
+    if any(s in ("running", "pending", "requeued", "configuring", "completing") for s in states):
+        return "running"
+    if any(s in ("failed", "lost", "cancelled", "timeout", "node_fail") for s in states):
+        return "failed"
+    return states[0] if states else "unknown"
+
+
+def _sum(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return sum(vals) if vals else None

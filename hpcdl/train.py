@@ -1,0 +1,200 @@
+"""The training loop of one synchronous group. It knows nothing of SLURM or of how it was started.
+
+Inside a group every rank computes gradients on its own shard; Horovod averages them (allreduce)
+and every rank applies the same update, so the ranks' weights stay identical. Across groups, an
+optional `GroupSync` (the asynchronous exchange) lets the group's root publish its averaged
+gradient and adopt newer master weights; the adoption is decided by the root and broadcast, so
+all ranks of the group switch weights at the same step.
+
+Rank 0 of the group writes metrics (JSON lines + TensorBoard) and checkpoints. A checkpoint is a
+TensorFlow checkpoint (no code runs on load) beside a JSON manifest that says how to rebuild the
+model, so `hpcdl evaluate` needs nothing but the checkpoint directory.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from hpcdl.config import Job
+from hpcdl.optim import make_optimizer
+from hpcdl.runs import append_jsonl, write_json_atomic
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class GroupPaths:
+    """Where one group writes; given by the caller so the engine owns no layout."""
+
+    checkpoints: Path
+    metrics: Path
+    state: Path
+    tensorboard: Path
+
+
+class GroupSync(Protocol):
+    """The asynchronous exchange as the engine sees it (implemented in hpcdl.hybrid)."""
+
+    def initial_weights(self, names_and_values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Root only: the weights every group starts from (proposing ours if none exist)."""
+
+    def after_step(self, step: int, grads: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
+        """Root only: publish when due; return newer master weights to adopt, or None."""
+
+    def stats(self) -> dict[str, Any]:
+        """Root only: counters for the metrics line (publishes, adoptions, version, seconds)."""
+
+
+def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape, model) -> None:
+    write_json_atomic(directory / MANIFEST, {
+        "workload": job.workload,
+        "job": job.to_dict(),
+        "stats": stats,
+        "input_shape": list(input_shape),
+        "variables": [name for name, _ in model.named_variables()],
+    })
+
+
+def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
+                group: int, groups: int, sync: GroupSync | None = None,
+                on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
+
+    `hvd` is an initialised `horovod.tensorflow` module (passed in, so tests can see exactly what
+    the engine uses). Returns the last metrics record (rank 0) or {} (other ranks).
+    """
+    rank, size = hvd.rank(), hvd.size()
+    input_shape = workload.input_shape(job)
+    model = workload.build_model(job.model, input_shape, seed=job.train.seed)
+    variables = [v for _, v in model.named_variables()]
+    names = [n for n, _ in model.named_variables()]
+    optimizer = make_optimizer(job.train.optimizer, variables, job.train.learning_rate)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
+    manager = tf.train.CheckpointManager(checkpoint, str(paths.checkpoints), job.train.keep_checkpoints)
+    if manager.latest_checkpoint:
+        checkpoint.restore(manager.latest_checkpoint).expect_partial()
+    resumed_from = int(step.numpy())
+
+    if rank == 0 and sync is not None and resumed_from == 0:
+        start = sync.initial_weights({n: v.numpy() for n, v in zip(names, variables)})
+        _assign(variables, names, start)
+    # Every rank starts from rank 0's weights, whatever each built or restored.
+    hvd.broadcast_variables(variables, root_rank=0)
+
+    if rank == 0:
+        paths.checkpoints.mkdir(parents=True, exist_ok=True)
+        write_manifest(paths.checkpoints, job, stats, input_shape, model)
+        writer = tf.summary.create_file_writer(str(paths.tensorboard))
+
+    shard = group * size + rank
+    batches = workload.train_batches(job, stats, shard, groups * size, seed=job.train.seed + resumed_from)
+
+    @tf.function(reduce_retracing=True)
+    def train_step(batch):
+        with tf.GradientTape() as tape:
+            loss = workload.loss(model, batch, training=True)
+        tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(loss, variables)
+        optimizer.apply(grads, variables)
+        return hvd.allreduce(loss, op=hvd.Average), grads
+
+    flops_per_example = model.flops().training
+    batch_images = job.train.batch_per_rank
+    window_start, window_steps, last = time.perf_counter(), 0, {}
+    run_start = time.perf_counter()
+    total_steps_here = 0
+    adopt_flag = tf.Variable(0, dtype=tf.int32, trainable=False)
+
+    for current in range(resumed_from + 1, job.train.steps + 1):
+        batch = next(batches)
+        loss, grads = train_step(batch)
+        step.assign(current)
+        window_steps += 1
+        total_steps_here += 1
+
+        if sync is not None:
+            adopted = None
+            if rank == 0:
+                adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)})
+                adopt_flag.assign(1 if adopted is not None else 0)
+            # The root alone reads the shared directory; the decision and the weights are
+            # broadcast so all ranks of the group adopt at the same step.
+            flag = hvd.broadcast(adopt_flag, root_rank=0, name="adopt_flag")
+            if int(flag.numpy()):
+                if rank == 0:
+                    _assign(variables, names, adopted)
+                hvd.broadcast_variables(variables, root_rank=0)
+
+        if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps):
+            elapsed = time.perf_counter() - window_start
+            per_rank_images = window_steps * batch_images / elapsed
+            sustained_elapsed = time.perf_counter() - run_start
+            last = {
+                "time": time.time(),
+                "group": group,
+                "step": current,
+                "loss": float(loss.numpy()),
+                "ranks": size,
+                "step_time_s": elapsed / window_steps,
+                "images_per_s": per_rank_images * size,
+                "flops_per_s_rank": per_rank_images * flops_per_example,
+                "flops_per_s_group": per_rank_images * flops_per_example * size,
+                "sustained_flops_per_s_group":
+                    total_steps_here * batch_images * flops_per_example * size / sustained_elapsed,
+            }
+            if sync is not None:
+                last.update(sync.stats())
+            append_jsonl(paths.metrics, last)
+            with writer.as_default(step=current):
+                for key in ("loss", "images_per_s", "flops_per_s_group"):
+                    tf.summary.scalar(key, last[key])
+            write_json_atomic(paths.state, {"state": "running", **last})
+            window_start, window_steps = time.perf_counter(), 0
+        if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps):
+            manager.save(checkpoint_number=current)
+        if on_step is not None:
+            on_step(current)
+
+    if rank == 0:
+        writer.flush()
+        write_json_atomic(paths.state, {"state": "finished", **(last or {"step": int(step.numpy())})})
+    return last
+
+
+def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np.ndarray]) -> None:
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise ValueError(f"weights lack tensors {missing[:3]}: not this model's")
+    for name, var in zip(names, variables):
+        var.assign(values[name])
+
+
+def load_model(checkpoint: Path, workload_for: Callable[[str], Any]):
+    """Rebuild a model from a checkpoint directory or prefix and its manifest.
+
+    Returns (model, manifest). Only TensorFlow's checkpoint format and JSON are read.
+    """
+    from hpcdl.config import job_from_dict
+
+    directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    manifest_path = directory / MANIFEST
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{checkpoint} is not an hpcdl checkpoint (no {MANIFEST} beside it)")
+    manifest = json.loads(manifest_path.read_text())
+    prefix = tf.train.latest_checkpoint(str(directory)) if checkpoint.is_dir() else str(checkpoint)
+    if prefix is None or not Path(prefix + ".index").is_file():
+        raise FileNotFoundError(f"{checkpoint} holds no checkpoint yet")
+    job = job_from_dict(manifest["job"])
+    workload = workload_for(manifest["workload"])
+    model = workload.build_model(job.model, tuple(manifest["input_shape"]), seed=0)
+    tf.train.Checkpoint(model=model).restore(prefix).expect_partial()
+    manifest["checkpoint"] = prefix
+    return model, manifest

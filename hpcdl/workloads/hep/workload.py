@@ -1,0 +1,116 @@
+"""HEP: signal (RPV SUSY) vs background (QCD) from 3-channel calorimeter images.
+
+Data: NERSC RPV-SUSY HDF5 files (or the hep_cnn_benchmark layout), see `data`. Model: the paper's
+5-conv CNN, see `model`. Metric: ROC AUC and the true-positive rate at the false-positive rate of
+the physics cut-based selection (passSR), see `metrics`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from hpcdl.config import JobError
+from hpcdl.workloads.base import Workload
+from hpcdl.workloads.hep import data as hepdata
+from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig
+
+
+class HepWorkload(Workload):
+    name = "hep"
+    DataConfig = HepDataConfig
+    ModelConfig = HepModelConfig
+
+    def check_data(self, job) -> None:
+        try:
+            hep = hepdata.open_hep(job.data.train)
+        except hepdata.DataError as exc:
+            raise JobError(f"data.train: {exc}") from None
+        if hep.n_events < job.train.batch_per_rank * job.run.nodes * job.run.ranks_per_node:
+            raise JobError(
+                f"data.train has {hep.n_events} events, fewer than one batch per rank "
+                f"({job.train.batch_per_rank} × {job.run.nodes * job.run.ranks_per_node} ranks)"
+            )
+
+    def compute_stats(self, job) -> dict[str, Any]:
+        return hepdata.Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
+
+    def input_shape(self, job) -> tuple[int, int, int]:
+        return tuple(hepdata.open_hep(job.data.train).image_shape)
+
+    def build_model(self, model_config, input_shape, seed: int):
+        from hpcdl.workloads.hep.model import HepCNN
+
+        return HepCNN(model_config, tuple(input_shape), seed=seed)
+
+    def train_batches(self, job, stats, shard: int, shards: int, seed: int) -> Iterator[tuple]:
+        norm = hepdata.Normalization.from_dict(stats)
+        batches = hepdata.iter_batches(
+            job.data.train, job.train.batch_per_rank, rank=shard, size=shards, norm=norm,
+            shuffle=True, seed=seed, chunk_events=job.data.chunk_events, prefetch=job.data.prefetch,
+        )
+        for x, y, w, _pass, _index in batches:
+            yield x, y, norm.event_weights(y, w)
+
+    def loss(self, model, batch, training: bool):
+        import tensorflow as tf
+
+        x, y, w = batch
+        logits = model(x, training=training)
+        per_event = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+        # Class-balanced event weights (mean ~1), so the loss scale does not depend on the
+        # physics cross-sections.
+        return tf.reduce_sum(per_event * w) / tf.reduce_sum(w)
+
+    def scores(self, model, stats, data: Path, batch_size: int = 512, progress=None):
+        """Signal probability of every event of `data`, in file order, with labels and weights."""
+        import tensorflow as tf
+
+        norm = hepdata.Normalization.from_dict(stats)
+        predict = tf.function(lambda x: tf.nn.softmax(model(x, training=False))[:, 1], reduce_retracing=True)
+        parts: dict[str, list] = {"score": [], "y": [], "w": [], "pass": [], "index": []}
+        has_pass = True
+        for x, y, w, passed, index in hepdata.iter_batches(
+            data, batch_size, norm=norm, shuffle=False, epochs=1, drop_remainder=False
+        ):
+            parts["score"].append(predict(x).numpy())
+            parts["y"].append(y)
+            parts["w"].append(w)
+            parts["index"].append(index)
+            if passed is None:
+                has_pass = False
+            else:
+                parts["pass"].append(passed)
+            if progress:
+                progress(len(y))
+        out = {k: np.concatenate(v) for k, v in parts.items() if v}
+        if not has_pass:
+            out.pop("pass", None)
+        return out
+
+    def evaluate(self, model, stats, data: Path, out_dir: Path, scores_out: Path | None = None,
+                 progress=None) -> dict[str, Any]:
+        from hpcdl.workloads.hep import metrics
+
+        expected = tuple(model.image_shape)
+        found = tuple(hepdata.open_hep(data).image_shape)
+        if found != expected:
+            raise hepdata.DataError(f"{data}: images are {found}, the model was trained on {expected}")
+        s = self.scores(model, stats, data, progress=progress)
+        result = metrics.evaluate_scores(s["score"], s["y"], s["w"], s.get("pass")).to_dict()
+        selection = None
+        if result.get("selection_fpr") is not None:
+            selection = (result["selection_fpr"], result["selection_tpr"])
+        roc_png = out_dir / "roc.png"
+        metrics.plot_roc(roc_png, s["score"], s["y"], s["w"], selection=selection,
+                         title=f"HEP classifier on {Path(data).name}")
+        result["roc_png"] = str(roc_png)
+        if scores_out is not None:
+            metrics.write_scores(scores_out, s["index"], s["score"], s["y"], s["w"])
+            result["scores_file"] = str(scores_out)
+        return result
+
+
+WORKLOAD = HepWorkload()
