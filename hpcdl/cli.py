@@ -176,15 +176,20 @@ def cancel(run, runs_dir):
 
 # -- evaluate -------------------------------------------------------------------------------------
 @main.command()
-@click.argument("checkpoint", type=click.Path(exists=True, path_type=Path))
+@click.argument("checkpoint", required=False, type=click.Path(exists=True, path_type=Path))
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
 @click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (.npz or .csv).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
-def evaluate(checkpoint, data, out_dir, scores_out, as_json):
-    """Score a model. CHECKPOINT is a run directory, a checkpoint directory or a checkpoint prefix."""
+def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
+    """Score a model. CHECKPOINT is a run directory, a checkpoint directory or a checkpoint prefix
+    (default: the newest run under --runs-dir). Prints the metrics and writes a ROC plot."""
     from hpcdl.evaluate import evaluate as run_evaluate
+    from hpcdl.runs import find_run
 
+    if checkpoint is None:
+        checkpoint = find_run(None, runs_dir).root
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
         raise click.BadParameter("must end in .npz or .csv", param_hint="--scores-out")
     result = run_evaluate(checkpoint, data, out_dir, scores_out)

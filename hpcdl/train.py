@@ -39,6 +39,13 @@ class GroupPaths:
     tensorboard: Path
 
 
+@dataclass(frozen=True)
+class TrainResult:
+    model: Any
+    last_metrics: dict[str, Any]  # rank 0's last metrics line ({} on other ranks)
+    steps_run: int  # steps taken by this process (after any resume)
+
+
 class GroupSync(Protocol):
     """The asynchronous exchange as the engine sees it (implemented in hpcdl.hybrid)."""
 
@@ -63,12 +70,11 @@ def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape
 
 
 def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
-                group: int, groups: int, sync: GroupSync | None = None,
-                on_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+                group: int, groups: int, sync: GroupSync | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
-    `hvd` is an initialised `horovod.tensorflow` module (passed in, so tests can see exactly what
-    the engine uses). Returns the last metrics record (rank 0) or {} (other ranks).
+    `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
+    group was formed.
     """
     rank, size = hvd.rank(), hvd.size()
     input_shape = workload.input_shape(job)
@@ -160,13 +166,11 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             window_start, window_steps = time.perf_counter(), 0
         if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps):
             manager.save(checkpoint_number=current)
-        if on_step is not None:
-            on_step(current)
 
     if rank == 0:
         writer.flush()
         write_json_atomic(paths.state, {"state": "finished", **(last or {"step": int(step.numpy())})})
-    return last
+    return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here)
 
 
 def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np.ndarray]) -> None:

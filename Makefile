@@ -1,0 +1,37 @@
+# The two commands of the README: `make run` and `make test`. Both install first, from nothing.
+VENV   ?= .venv
+PYTHON ?= python3
+HPCDL  := $(VENV)/bin/hpcdl
+DATA   ?= data/hep
+EVENTS ?= 24000
+NODES  ?= 2
+STEPS  ?= 600
+
+.PHONY: install run test test-fast bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml scripts/install.sh
+	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
+
+# Generate a small synthetic HEP set, train one synchronous Horovod group of $(NODES) ranks on this
+# machine, then score the model against the physics selection on the test file.
+run: install
+	@test -f $(DATA)/test.h5 || $(HPCDL) data generate hep --out $(DATA) --events $(EVENTS) --image-size 64
+	$(HPCDL) submit hep --backend local --nodes $(NODES) --set train.steps=$(STEPS) \
+	    --set 'data.train="$(DATA)/train.h5"' --set 'data.test="$(DATA)/test.h5"' --set 'data.val="$(DATA)/val.h5"'
+	$(HPCDL) evaluate --data $(DATA)/test.h5
+
+# The whole suite, SLURM integration tests included (they start a real local cluster).
+test: install
+	VENV=$(VENV) bash scripts/test.sh
+
+# Unit tests only: no SLURM daemons, no long training.
+test-fast: install
+	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
+
+bench: install
+	$(VENV)/bin/python bench/run.py
+
+clean:
+	rm -rf $(VENV) runs data .pytest_cache

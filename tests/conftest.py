@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny HEP files written by the tests themselves, and a job that trains in seconds."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+REPO = Path(__file__).resolve().parent.parent
+HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+
+
+def write_nersc(path: Path, n: int, size: int = 16, seed: int = 0) -> Path:
+    """A learnable toy in the NERSC layout: signal events carry more energy in the centre."""
+    rng = np.random.default_rng(seed)
+    y = (np.arange(n) % 2).astype(np.float32)
+    base = rng.random((n, size, size), dtype=np.float32)
+    centre = np.zeros((size, size), np.float32)
+    centre[size // 4 : 3 * size // 4, size // 4 : 3 * size // 4] = 1.0
+    hist = base + 2.0 * y[:, None, None] * centre
+    with h5py.File(path, "w") as f:
+        g = f.create_group("all_events")
+        g["hist"] = hist * 100.0
+        g["histEM"] = hist * 40.0
+        g["histtrack"] = np.round(hist * 3.0)
+        g["y"] = y
+        g["weight"] = np.where(y == 1, 0.01, 5.0).astype(np.float32)
+        g["passSR"] = (hist[:, size // 2, size // 2] > 1.5) & (rng.random(n) < 0.8)
+    return path
+
+
+@pytest.fixture(scope="session")
+def hep_files(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("hep")
+    return {"train": write_nersc(d / "train.h5", 2048, seed=1), "test": write_nersc(d / "test.h5", 512, seed=2)}
+
+
+def tiny_overrides(files: dict[str, Path], runs_dir: Path, steps: int = 20) -> list[str]:
+    """--set arguments for a job that trains a 2-conv, 8-filter model in seconds."""
+    return [
+        f'data.train="{files["train"]}"', f'data.test="{files["test"]}"', f'data.val="{files["test"]}"',
+        f"train.steps={steps}", "train.batch_per_rank=16", "train.log_every=5", "train.checkpoint_every=10",
+        "model.filters=8", "model.conv_layers=2", "model.dropout=0.0", "data.chunk_events=256",
+        f'run.runs_dir="{runs_dir}"',
+    ]
+
+
+def set_args(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]

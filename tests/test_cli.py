@@ -1,0 +1,114 @@
+"""Bad input: one line naming the problem, exit 2 for usage errors, nothing left behind."""
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hpcdl.cli import main
+from tests.conftest import set_args, tiny_overrides
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def run_cli(runner, args):
+    result = runner.invoke(main, args, catch_exceptions=False)
+    return result.exit_code, result.output
+
+
+def assert_usage_error(code, output, fragment):
+    assert code == 2, output
+    assert fragment in output, output
+    error_lines = [l for l in output.splitlines() if l.startswith("Error:")]
+    assert len(error_lines) == 1, output
+
+
+def submit_args(hep_files, runs, *extra, overrides=()):
+    return ["submit", "hep", "--backend", "local",
+            *set_args(tiny_overrides(hep_files, runs) + list(overrides)), *extra]
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "-3"], "--nodes"),
+    (["--nodes", "two"], "--nodes"),
+    (["--nodes", "3", "--group-size", "2"], "does not divide"),
+    (["--set", "train.nosuch=1"], "train.nosuch"),
+    (["--set", "train.steps=many"], "train.steps must be an integer"),
+    (["--set", "oops"], "section.key=value"),
+])
+def test_submit_rejects_bad_arguments(runner, hep_files, tmp_path, extra, fragment):
+    runs = tmp_path / "runs"
+    code, output = run_cli(runner, submit_args(hep_files, runs, *extra))
+    assert_usage_error(code, output, fragment)
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+def test_unknown_job(runner):
+    code, output = run_cli(runner, ["submit", "nosuchjob"])
+    assert_usage_error(code, output, "unknown job 'nosuchjob'")
+
+
+def test_missing_data_file(runner, hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    code, output = run_cli(runner, submit_args(hep_files, runs, overrides=[f'data.train="{tmp_path}/none.h5"']))
+    assert_usage_error(code, output, "none.h5")
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+@pytest.mark.parametrize("writer, fragment", [
+    (lambda f: f.create_dataset("images", data=np.zeros((4, 8, 8))), "data.train"),
+    (lambda f: [f.create_group("all_events"),
+                f["all_events"].create_dataset("hist", data=np.zeros((4, 8, 8))),
+                f["all_events"].create_dataset("histEM", data=np.zeros((4, 8, 8))),
+                f["all_events"].create_dataset("histtrack", data=np.zeros((4, 9, 8))),
+                f["all_events"].create_dataset("y", data=np.zeros(4))], "data.train"),
+])
+def test_hdf5_with_wrong_layout(runner, hep_files, tmp_path, writer, fragment):
+    bad = tmp_path / "bad.h5"
+    with h5py.File(bad, "w") as f:
+        writer(f)
+    runs = tmp_path / "runs"
+    code, output = run_cli(runner, submit_args(hep_files, runs, overrides=[f'data.train="{bad}"']))
+    assert_usage_error(code, output, fragment)
+    assert "bad.h5" in output
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+def test_not_hdf5(runner, hep_files, tmp_path):
+    bad = tmp_path / "text.h5"
+    bad.write_text("not hdf5")
+    code, output = run_cli(runner, submit_args(hep_files, tmp_path / "runs", overrides=[f'data.train="{bad}"']))
+    assert_usage_error(code, output, "text.h5")
+
+
+def test_evaluate_path_that_is_not_a_checkpoint(runner, tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, output = run_cli(runner, ["evaluate", str(tmp_path / "empty")])
+    assert_usage_error(code, output, "is not a checkpoint")
+
+
+def test_evaluate_bad_scores_suffix(runner, tmp_path):
+    code, output = run_cli(runner, ["evaluate", str(tmp_path), "--scores-out", str(tmp_path / "s.txt")])
+    assert_usage_error(code, output, ".npz or .csv")
+
+
+def test_status_without_runs(runner, tmp_path):
+    code, output = run_cli(runner, ["status", "--runs-dir", str(tmp_path / "none")])
+    assert_usage_error(code, output, "no runs")
+
+
+def test_dry_run_writes_nothing_and_shows_commands(runner, hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    code, output = run_cli(runner, submit_args(hep_files, runs, "--nodes", "2", "--dry-run"))
+    assert code == 0, output
+    assert output.count("hpcdl.worker") == 2 and "HOROVOD_RANK=1" in output
+    assert not runs.exists()
+
+
+def test_completion_script(runner):
+    code, output = run_cli(runner, ["completion", "bash"])
+    assert code == 0 and "_HPCDL_COMPLETE" in output
