@@ -61,8 +61,8 @@ Only one applier may run per exchange directory: it holds an exclusive ``flock``
 mounted without ``-o flock``), a warning is logged and single-instance is the operator's job.
 
 Bad input never stops the applier: a corrupt file (CorruptFile: bad checksum, truncated, lying
-header, not our format, wrong run id, ...) is counted as ``rejected_corrupt``, logged and moved
-aside; a well-formed update that does not fit the master is ``rejected_invalid``. An update file
+header, not our format, wrong run id, ...) or an entry it cannot read at all (a directory, no
+permission) is counted as ``rejected_corrupt``, logged and moved aside; a well-formed update that does not fit the master is ``rejected_invalid``. An update file
 deleted by its publisher before it was read (backlog bound) is counted as ``vanished``. I/O errors
 on the exchange directory itself (OSError) make :meth:`Applier.run` reload the durable state and
 retry with backoff.
@@ -76,7 +76,8 @@ as version 0, deleting the others.
 
 Status for humans and tools
 ===========================
-``applier/events.jsonl``: one JSON object a line: ``event_id``, ``time``, ``event`` (applied |
+``applier/events.jsonl``: one JSON object a line (rotated to ``events.jsonl.1`` past
+``events_max_bytes``; readers skip a line that does not parse, e.g. one torn by a crash): ``event_id``, ``time``, ``event`` (applied |
 dropped | rejected | duplicate | vanished | init | adopted), ``group``, ``seq``, ``base_version``,
 ``staleness``, ``version``, ``scale``, ``reason``, ``file`` (those that apply).
 ``applier/status.json`` (replaced atomically at each commit and every ``status_interval`` s when
@@ -210,6 +211,7 @@ class Applier:
         initial: Mapping[str, np.ndarray] | None = None,
         temp_max_age_s: float = 600.0,
         status_interval: float = 5.0,
+        events_max_bytes: int = 64 << 20,
         lock: bool = True,
     ):
         if optimizer not in OPTIMIZERS:
@@ -229,6 +231,7 @@ class Applier:
         self.keep_versions = keep_versions
         self.max_batch = max_batch
         self.temp_max_age_s = temp_max_age_s
+        self.events_max_bytes = events_max_bytes
         self.status_interval = status_interval
         self._initial = dict(initial) if initial is not None else None
         self._stop = False
@@ -353,11 +356,14 @@ class Applier:
             self.counters["vanished"] += 1
             self._event(batch, "vanished", group=ref.group, seq=ref.seq, file=ref.name)
             return
-        except CorruptFile as e:
+        except (CorruptFile, IsADirectoryError, PermissionError) as e:
+            # Permanent: retrying cannot help. (Other OSErrors, e.g. EIO, may be transient: they
+            # propagate and run() retries after reloading the durable state.)
+            reason = str(e) if isinstance(e, CorruptFile) else f"unreadable: {type(e).__name__}"
             self.counters["rejected_corrupt"] += 1
             batch.reject.append(rel)
-            self._event(batch, "rejected", file=ref.name, reason=str(e))
-            log.warning("rejected %s: %s", ref.name, e)
+            self._event(batch, "rejected", file=ref.name, reason=reason)
+            log.warning("rejected %s: %s", ref.name, reason)
             return
         reason = self._invalid_update(upd.tensors)
         if reason:
@@ -469,8 +475,8 @@ class Applier:
                 reason = self._invalid_initial(tensors)
             except FileNotFoundError:
                 continue
-            except CorruptFile as e:
-                group, reason = None, str(e)
+            except (CorruptFile, IsADirectoryError, PermissionError) as e:
+                group, reason = None, str(e) or type(e).__name__
             if reason:
                 self.counters["rejected_proposals"] += 1
                 self.ch.quarantine(path)  # no state to commit yet: move aside at once
@@ -612,21 +618,27 @@ class Applier:
 
     # -- events, status, lock ------------------------------------------------------------------
 
+    @property
+    def _rotated_events_path(self) -> Path:
+        return self.ch.events_path.with_name(self.ch.events_path.name + ".1")
+
     def _last_logged_event_id(self) -> int:
-        try:
-            with open(self.ch.events_path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(max(0, size - (1 << 20)))
-                tail = f.read()
-        except FileNotFoundError:
-            return 0
-        for line in reversed(tail.split(b"\n")):
+        """The id of the last complete event line (looking into the rotated log if needed)."""
+        for path in (self.ch.events_path, self._rotated_events_path):
             try:
-                ev = json.loads(line)
-            except ValueError:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    f.seek(max(0, size - (1 << 20)))
+                    tail = f.read()
+            except FileNotFoundError:
                 continue
-            if isinstance(ev, dict) and type(ev.get("event_id")) is int:
-                return ev["event_id"]
+            for line in reversed(tail.split(b"\n")):
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and type(ev.get("event_id")) is int:
+                    return ev["event_id"]
         return 0
 
     def _append_events(self, events: list[dict[str, Any]]) -> None:
@@ -643,7 +655,10 @@ class Applier:
             f.flush()
             if self.ch.fsync:
                 os.fsync(f.fileno())
+            size = f.tell()
         self._logged_event_id = new[-1]["event_id"]
+        if size > self.events_max_bytes:  # keep one rotated file: disk use stays bounded
+            os.replace(self.ch.events_path, self._rotated_events_path)
 
     def status(self, phase: str | None = None) -> dict[str, Any]:
         pending = {r.name for r in self.ch.pending_updates()}
@@ -722,6 +737,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-exit-after", type=float, default=None,
                    help="exit 0 after this many seconds without work")
     p.add_argument("--status-interval", type=float, default=5.0)
+    p.add_argument("--temp-max-age", type=float, default=600.0,
+                   help="delete writers' temporaries older than this many seconds")
     p.add_argument("--no-fsync", action="store_true", help="skip fsyncs (local tests only)")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -739,10 +756,14 @@ def main(argv: list[str] | None = None) -> int:
             stale_policy=args.stale_policy, keep_versions=args.keep_versions,
             max_batch=args.max_batch, momentum=args.momentum, beta1=args.beta1,
             beta2=args.beta2, eps=args.eps, status_interval=args.status_interval,
+            temp_max_age_s=args.temp_max_age,
         )
     except AlreadyRunning as e:
         log.error("%s", e)
         return 3
+    except (CorruptFile, ValueError) as e:  # e.g. a state of another run or optimizer
+        log.error("cannot start: %s", e)
+        return 1
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, lambda *_: applier.request_stop())
     with applier:

@@ -489,3 +489,39 @@ def test_hmac_channel_end_to_end(tmp_path: Path) -> None:
         assert app.counts["applied"] == 1 and app.counts["rejected_corrupt"] == 1
     with pytest.raises(ex.CorruptFile):  # the state itself is keyed too
         Applier(Channel(tmp_path / "x", RUN), "sgd", 1.0)
+
+
+def test_unreadable_entry_is_rejected_not_retried_forever(ch: Channel) -> None:
+    with sgd_applier(ch) as app:
+        (ch.updates_dir / ex.update_name(0, 0)).mkdir()
+        ch.publish_update(0, 1, 0, grad(0, 1))
+        drain(app)
+        assert app.counts["rejected_corrupt"] == 1 and app.counts["applied"] == 1
+        assert ch.backlog() == 0
+
+
+def test_event_log_rotation_keeps_ids_unique_across_restart(ch: Channel) -> None:
+    app = sgd_applier(ch, events_max_bytes=600, max_batch=1)
+    for s in range(12):
+        ch.publish_update(0, s, 0, grad(0, s))
+        app.step()
+    app.close()
+    rotated = ch.events_path.with_name("events.jsonl.1")
+    assert rotated.exists() and rotated.stat().st_size < 2000
+    with sgd_applier(ch, events_max_bytes=600) as app:  # restart: nothing re-logged
+        ch.publish_update(0, 12, 0, grad(0, 12))
+        drain(app)
+        assert app.event_id == 14  # init + 13 applied
+    ids = []
+    for path in (rotated, ch.events_path):
+        if path.exists():
+            ids += [json.loads(line)["event_id"] for line in path.read_text().splitlines()]
+    assert ids == sorted(set(ids)) and ids[-1] == 14
+
+
+def test_cli_refuses_a_state_of_another_run(ch: Channel) -> None:
+    sgd_applier(ch).close()
+    proc = subprocess.run([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root),
+                           "--run-id", "not-" + RUN, "--optimizer", "sgd"],
+                          env=env_with_root(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "run id" in proc.stderr
