@@ -1,0 +1,1 @@
+"""Performance: the scale planner (`hpcdl.perf.planner`) and, beside it, figures of speed."""
