@@ -71,8 +71,8 @@ and at most 1 % of updates dropped, take the highest predicted sustained FLOP/s;
 fewer groups within 1 % of that figure is preferred (less staleness for the same speed). The
 bound of 8 is a convergence judgement, not a performance one: staleness ≈ G − 1 (blocking) or
 ≈ G (non-blocking) when every group adopts the newest weights; the paper's runs at scale used
-about 8–9 groups (as recalled, see below) and it reports that more groups, i.e. more staleness,
-cost progress per update; hpcdl's default ``exchange.max_staleness`` of 16 drops updates at twice
+about 8–9 groups (as recalled, see below), and staler updates are known to cost asynchronous SGD
+progress per update; hpcdl's default ``exchange.max_staleness`` of 16 drops updates at twice
 that. Pass another bound to :func:`plan` for a model known to tolerate more.
 
 The paper check (Kurth et al., "Deep Learning at 15PF", SC17, arXiv:1708.05256)
@@ -108,16 +108,17 @@ The straggler spread σ is the least known input and the one the prediction depe
 with the figures above a step computes for 65 ms and communicates for ~8 ms (allreduce 3.3 ms,
 parameter-server round trip and broadcast 4.9 ms), so most of the gap between 18.2 PFLOP/s
 (9594 × 1.90 TFLOP/s) and the paper's 11.41 must be waiting for the slowest of ~1000 nodes.
-NERSC documents node-to-node and run-to-run variability on Cori's KNL nodes of this order (MCDRAM
-used as a direct-mapped cache thrashing, clock-frequency variation, network congestion;
-NERSC "KNL cache mode performance" and the CUG survey of non-I/O variability on Cori), and the
-paper motivates its hybrid scheme by exactly this straggler effect. The planner takes σ = 0.10
-(a 10 % coefficient of variation of one node's step time), named and printed as an assumption;
-it is a round figure of the documented order, not fitted to the paper's number. With it the
-planner predicts 12.1 PFLOP/s sustained (+6 %) and 13.2 PFLOP/s peak (+13 % on 11.73) for 9
+That such variability exists on Cori's KNL nodes is documented (NERSC's "KNL cache mode
+performance" page: MCDRAM used as a direct-mapped cache thrashes, with run-to-run and node-to-node
+differences; a CUG survey of non-I/O variability on Cori adds clock-frequency scaling and network
+congestion), and the paper motivates its hybrid scheme by stragglers (as recalled); but no source
+at hand gives its size for a DL step. The planner takes σ = 0.10 (a 10 % coefficient of
+variation of one node's step time): a round figure, not a measurement, and not fitted to the
+paper's number (σ = 0.12 would hit it exactly); it is named and printed as an assumption. With it
+the planner predicts 12.1 PFLOP/s sustained (+6 %) and 13.3 PFLOP/s peak (+13 % on 11.73) for 9
 groups of 1066. How much the agreement rests on the uncertain inputs (tests pin the σ band):
 
-* σ: within ±15 % for 0.075 ≤ σ ≤ 0.16; σ = 0.05 gives +23 %, σ = 0 (no stragglers) +42 %;
+* σ: within ±15 % for about 0.073 ≤ σ ≤ 0.175; σ = 0.05 gives +23 %, σ = 0 (no stragglers) +42 %;
 * per-node batch: within ±15 % for 3 ≤ b ≤ ~100 (b = 1: −33 %, b = 128: +15.1 %);
 * group count: 1 to 18 groups of the 9594 nodes all land within +1 % … +9 %.
 
@@ -137,7 +138,7 @@ import tomllib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -274,9 +275,9 @@ class PlanInputs:
             "model_bytes": f"{params:,} fp32 parameters of the HEP network",
             "allreduce_latency": "NERSC Cori page: Aries MPI latency 0.25-3.7 us (top)",
             "allreduce_bandwidth": "NERSC Cori page: Aries MPI bandwidth ~8 GB/s",
-            "straggler_sigma": "ASSUMED: ~10% per-node step-time spread on Cori KNL",
+            "straggler_sigma": "ASSUMED (round, not measured or fitted): 10% spread",
             "exchange_every": "paper: every group step goes to the parameter server",
-            "exchange_blocking": "paper: groups wait for the parameter server's weights",
+            "exchange_blocking": "paper (as recalled): groups wait for the PS's weights",
             "exchange_latency": "parameter server over Aries: MPI latency",
             "exchange_bandwidth": "parameter server over Aries: MPI bandwidth",
             "applier_bytes_per_s": "ASSUMED: SGD update on one KNL node (memory-bound)",
@@ -466,7 +467,7 @@ def _fmt_value(value: Any, unit: str) -> str:
     if isinstance(value, int):
         return f"{value:,} {unit}".strip()
     if isinstance(value, float):
-        return f"{_si(value)}{unit}" if unit and not unit.startswith("(") else f"{value:g} {unit}".strip()
+        return f"{_si(value)}{unit}" if unit else f"{value:g}"
     return str(value)
 
 
@@ -587,7 +588,8 @@ def simulate_exchange(inputs: PlanInputs, group_nodes: int, intervals: np.ndarra
     xfer = inputs.transfer_seconds
     lat = inputs.exchange_latency
     n = inputs.model_bytes
-    bcast = tree_collective_seconds(group_nodes, n, inputs.allreduce_latency, inputs.allreduce_bandwidth)
+    bcast = tree_collective_seconds(group_nodes, n, inputs.allreduce_latency,
+                                    inputs.allreduce_bandwidth)
     blocking = inputs.exchange_blocking
     max_pending = inputs.max_pending_per_group
     max_stale = inputs.max_staleness
@@ -805,14 +807,15 @@ class Plan:
 
     def render_text(self) -> str:
         """Plain-text report: assumptions, the table, the recommendation."""
-        parts = [f"Scale plan for {self.nodes} nodes — inputs: {self.inputs.label} (seed {self.seed})", ""]
+        parts = [f"Scale plan for {self.nodes} nodes — inputs: {self.inputs.label} "
+                 f"(seed {self.seed})", ""]
         parts += _table(*self.render_assumptions())
         parts += ["", *_table(*self.render_rows()), "", self.recommendation_text()]
         return "\n".join(parts)
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     return [line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
@@ -833,14 +836,17 @@ def evaluate(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
     r = rounds or max(MIN_ROUNDS, math.ceil(TARGET_UPDATES / groups))
     t_c = inputs.compute_seconds
     t_ar = allreduce_seconds(inputs, p)
-    compute = t_c * sample_slowest(rng, inputs.straggler_sigma, p, (groups, r, k))
+    slowest = sample_slowest(rng, inputs.straggler_sigma, p, (groups, r, k))
+    compute = t_c * slowest
+    straggler = t_c * (float(slowest.mean()) - 1.0)
     steps = compute + t_ar
     step_flops = p * inputs.batch_per_node * inputs.flops_per_example  # one group step
-    peak = nodes * inputs.batch_per_node * inputs.flops_per_example / float(np.quantile(steps, PEAK_QUANTILE))
+    fast_step = float(np.quantile(steps, PEAK_QUANTILE))
+    peak = nodes * inputs.batch_per_node * inputs.flops_per_example / fast_step
     capacity = inputs.applier_capacity
     if groups == 1:  # no exchange: hpcdl's exchange.enabled = "auto"
         per_step = float(steps.mean())
-        return GroupPlan(1, p, t_c, float(compute.mean()) - t_c, t_ar, 0.0, per_step,
+        return GroupPlan(1, p, t_c, straggler, t_ar, 0.0, per_step,
                          step_flops / per_step, peak, 0.0, capacity, 0.0, 0.0,
                          0.0, 0.0, 0.0, 0, 0.0, True, "")
     sim = simulate_exchange(inputs, p, steps.sum(axis=2))
@@ -853,7 +859,7 @@ def evaluate(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
     mean_step = float(step_time.mean())
     plan = dict(
         groups=groups, nodes_per_group=p, compute_s=t_c,
-        straggler_s=float(compute.mean()) - t_c, allreduce_s=t_ar,
+        straggler_s=straggler, allreduce_s=t_ar,
         exchange_s=mean_step - float(steps.mean()), step_s=mean_step,
         sustained_flops=sustained, peak_flops=peak, updates_per_s=updates_per_s,
         applier_capacity=capacity, applier_utilisation=utilisation,
