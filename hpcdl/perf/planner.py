@@ -917,3 +917,19 @@ def paper_check(seed: int = 0, inputs: PlanInputs | None = None) -> dict[str, An
         "peak_ratio": c.peak_flops / PAPER_HEP_PEAK_FLOPS,
         "candidate": c.to_dict(),
     }
+
+
+def render_paper_check(result: dict[str, Any]) -> str:
+    """One paragraph for humans from :func:`paper_check`'s result."""
+    c = result["candidate"]
+    return (
+        f"Paper check (Kurth et al. SC17, HEP, {result['nodes']} nodes in {result['groups']} "
+        f"groups): predicted {result['predicted_sustained_flops'] / 1e15:.2f} PFLOP/s sustained "
+        f"vs the paper's {result['paper_sustained_flops'] / 1e15:.2f} "
+        f"({100 * (result['sustained_ratio'] - 1):+.1f} %; the test allows ±15 %), "
+        f"{result['predicted_peak_flops'] / 1e15:.2f} PFLOP/s peak vs "
+        f"{result['paper_peak_flops'] / 1e15:.2f} ({100 * (result['peak_ratio'] - 1):+.1f} %); "
+        f"step {c['step_s'] * 1e3:.1f} ms = compute {c['compute_s'] * 1e3:.1f} + stragglers "
+        f"{c['straggler_s'] * 1e3:.1f} + allreduce {c['allreduce_s'] * 1e3:.1f} + exchange "
+        f"{c['exchange_s'] * 1e3:.1f}."
+    )

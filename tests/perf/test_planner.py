@@ -357,3 +357,10 @@ def test_paper_check_sensitivity_to_the_straggler_spread(sigma, inside):
     paper = PlanInputs.paper_cori_hep().with_values("test", straggler_sigma=sigma)
     ratio = paper_check(inputs=paper)["sustained_ratio"]
     assert (0.85 <= ratio <= 1.15) == inside, ratio
+
+
+def test_paper_check_text():
+    from hpcdl.perf.planner import render_paper_check
+
+    text = render_paper_check(paper_check())
+    assert "11.41" in text and "±15 %" in text and "9594 nodes in 9 groups" in text
