@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # Imported lazily: naming a workload must not pay for TensorFlow's import.
 _REGISTRY = {
     "hep": "hpcdl.workloads.hep.workload",
+    "climate": "hpcdl.workloads.climate.workload",
 }
 
 
