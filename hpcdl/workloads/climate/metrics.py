@@ -236,7 +236,8 @@ def read_detections(path) -> tuple[np.ndarray, np.ndarray]:
             return d["image"].astype(np.int64), rows.astype(np.float32)
     with open(path) as f:
         header = f.readline().strip()
+        lines = [line for line in f if line.strip()]
     if header != _CSV_HEADER:
         raise ValueError(f"{path}: expected the header {_CSV_HEADER!r}, got {header!r}")
-    table = np.loadtxt(path, delimiter=",", skiprows=1, ndmin=2, dtype=np.float64).reshape(-1, 7)
+    table = np.loadtxt(lines, delimiter=",", ndmin=2, dtype=np.float64).reshape(-1, 7) if lines else np.zeros((0, 7))
     return table[:, 0].astype(np.int64), table[:, 1:].astype(np.float32)
