@@ -81,7 +81,7 @@ Status for humans and tools
 dropped | rejected | duplicate | vanished | init | adopted), ``group``, ``seq``, ``base_version``,
 ``staleness``, ``version``, ``scale``, ``reason``, ``file`` (those that apply).
 ``applier/status.json`` (replaced atomically at each commit and every ``status_interval`` s when
-idle): ``phase``, ``master_version``, ``counts``, ``backlog``, ``staleness`` {count, mean, max},
+idle): ``phase``, ``master_version``, ``counts``, ``backlog``, ``staleness`` {count, mean, max}, ``groups`` {group: {updates, staleness_mean, staleness_max}},
 ``last_apply_time``, ``last_seq`` per group, ``pid``, ``host``, ``updated``.
 
 Signals: SIGTERM, SIGINT and SIGUSR1 make the process finish the update in progress, commit,
@@ -119,7 +119,12 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {"sgd": (), "momentum": ("m",), "adam":
 STALE_POLICIES = ("drop", "downweight")
 COUNTERS = ("applied", "dropped_stale", "downweighted", "rejected_corrupt", "rejected_invalid",
             "duplicates", "vanished", "rejected_proposals")
+CLEAN_INTERVAL_S = 10.0  # how often temporaries older than temp_max_age_s are removed
 CRASH_ENV = "HPCDL_APPLIER_CRASH"  # testing only: "point[:n]" -> SIGKILL itself at the nth hit
+
+
+def _new_stats() -> dict[str, int]:
+    return {"count": 0, "sum": 0, "max": 0}
 
 
 class AlreadyRunning(RuntimeError):
@@ -312,15 +317,16 @@ class Applier:
                     continue
                 backoff = poll_interval
                 now = time.monotonic()
+                # Busy or idle: a killed writer's temporary must not outlive the bound for long.
+                if now - last_clean >= CLEAN_INTERVAL_S:
+                    self.ch.clean_stale_temporaries(self.temp_max_age_s)
+                    last_clean = now
                 if n:
                     handled += n
                     last_activity = now
                     continue
                 if idle_exit_after is not None and now - last_activity >= idle_exit_after:
                     break
-                if now - last_clean >= 60.0:
-                    self.ch.clean_stale_temporaries(self.temp_max_age_s)
-                    last_clean = now
                 if time.time() - self._last_status >= self.status_interval:
                     self._write_status()
                 time.sleep(poll_interval)
@@ -380,10 +386,10 @@ class Applier:
             log.warning("update group %d seq %d has base_version %d ahead of master %d",
                         upd.group, upd.seq, upd.base_version, self.version)
             staleness = 0
-        st = self.staleness
-        st["count"] += 1
-        st["sum"] += staleness
-        st["max"] = max(st["max"], staleness)
+        for st in (self.staleness, self.group_staleness.setdefault(str(upd.group), _new_stats())):
+            st["count"] += 1
+            st["sum"] += staleness
+            st["max"] = max(st["max"], staleness)
         scale = 1.0
         if self.max_staleness is not None and staleness > self.max_staleness:
             if self.stale_policy == "drop":
@@ -532,6 +538,7 @@ class Applier:
         meta = {
             "optimizer": self.optimizer, "t": self.t, "order": list(self.weights),
             "counters": self.counters, "staleness": self.staleness, "event_id": self.event_id,
+            "group_staleness": self.group_staleness,
             "last_batch": self.last_batch, "last_apply_time": self.last_apply_time,
         }
         write_file(self.ch.state_path, run_id=self.ch.run_id, kind="state", tensors=tensors,
@@ -544,7 +551,8 @@ class Applier:
         self.t = 0
         self.ledger = Ledger()
         self.counters = {k: 0 for k in COUNTERS}
-        self.staleness = {"count": 0, "sum": 0, "max": 0}
+        self.staleness = _new_stats()
+        self.group_staleness: dict[str, dict[str, int]] = {}
         self.event_id = 0
         self.last_batch: dict[str, list[Any]] = {"events": [], "delete": [], "reject": []}
         self.last_apply_time: float | None = None
@@ -565,6 +573,7 @@ class Applier:
         self.ledger = Ledger.from_array(tensors["ledger"])
         self.counters.update(meta["counters"])
         self.staleness.update(meta["staleness"])
+        self.group_staleness = meta.get("group_staleness", {})
         self.event_id = meta["event_id"]
         self.last_batch = meta["last_batch"]
         self.last_apply_time = meta["last_apply_time"]
@@ -674,6 +683,9 @@ class Applier:
                           "mean": st["sum"] / st["count"] if st["count"] else None},
             "last_apply_time": self.last_apply_time,
             "last_seq": {str(g): s for g, s in sorted(self.ledger.last_seq().items())},
+            "groups": {g: {"updates": gs["count"], "staleness_max": gs["max"],
+                           "staleness_mean": gs["sum"] / gs["count"] if gs["count"] else None}
+                       for g, gs in sorted(self.group_staleness.items(), key=lambda kv: int(kv[0]))},
             "processed": len(self.ledger), "pid": os.getpid(), "host": socket.gethostname(),
             "updated": time.time(),
         }

@@ -60,10 +60,10 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         })
     applier = None
     if job.exchange.active(job.run.groups):
-        applier = _read_json(run.exchange_dir(job) / "applier" / "status.json") or {}
+        applier = _applier_summary(_read_json(run.exchange_dir(job) / "applier" / "status.json") or {})
         applier["backend"] = backend_view.get("applier")
         for entry in groups:
-            per_group = (applier.get("groups") or {}).get(str(entry["group"]), {})
+            per_group = applier["groups"].get(str(entry["group"]), {})
             entry["staleness_mean"] = per_group.get("staleness_mean")
             entry["staleness_max"] = per_group.get("staleness_max")
     totals = {
@@ -83,6 +83,25 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "groups": groups,
         "applier": applier,
         "totals": totals,
+    }
+
+
+def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """The applier's status.json (see hpcdl.applier), flattened for the status screen."""
+    counts = raw.get("counts", {})
+    staleness = raw.get("staleness", {})
+    return {
+        "phase": raw.get("phase"),
+        "version": raw.get("master_version"),
+        "applied": counts.get("applied"),
+        "dropped": counts.get("dropped_stale"),
+        "downweighted": counts.get("downweighted"),
+        "rejected": (counts.get("rejected_corrupt", 0) + counts.get("rejected_invalid", 0)) if counts else None,
+        "backlog": raw.get("backlog"),
+        "staleness_mean": staleness.get("mean"),
+        "staleness_max": staleness.get("max"),
+        "last_apply_age_s": time.time() - raw["last_apply_time"] if raw.get("last_apply_time") else None,
+        "groups": raw.get("groups", {}),
     }
 
 

@@ -70,12 +70,15 @@ def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape
 
 
 def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
-                group: int, groups: int, sync: GroupSync | None = None) -> TrainResult:
+                group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
-    group was formed.
+    group was formed. `exchange` must be the same on every rank of the group (it adds collective
+    steps); `sync` is given to rank 0 only.
     """
+    if exchange and hvd.rank() == 0 and sync is None:
+        raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
     rank, size = hvd.rank(), hvd.size()
     input_shape = workload.input_shape(job)
     model = workload.build_model(job.model, input_shape, seed=job.train.seed)
@@ -89,7 +92,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         checkpoint.restore(manager.latest_checkpoint).expect_partial()
     resumed_from = int(step.numpy())
 
-    if rank == 0 and sync is not None and resumed_from == 0:
+    if rank == 0 and sync is not None:
+        # Fresh or restarted, a group starts from the newest master weights when there are any.
         start = sync.initial_weights({n: v.numpy() for n, v in zip(names, variables)})
         _assign(variables, names, start)
     # Every rank starts from rank 0's weights, whatever each built or restored.
@@ -126,7 +130,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         window_steps += 1
         total_steps_here += 1
 
-        if sync is not None:
+        if exchange:
             adopted = None
             if rank == 0:
                 adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)})
@@ -156,7 +160,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 "sustained_flops_per_s_group":
                     total_steps_here * batch_images * flops_per_example * size / sustained_elapsed,
             }
-            if sync is not None:
+            if exchange:
                 last.update(sync.stats())
             append_jsonl(paths.metrics, last)
             with writer.as_default(step=current):

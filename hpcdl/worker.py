@@ -71,8 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     group = rank_env.group
     workload = get_workload(job.workload)
     stats = ensure_stats(run, workload, job, is_root=hvd.rank() == 0)
+    exchange = job.exchange.active(job.run.groups)
     sync = None
-    if job.exchange.active(job.run.groups) and hvd.rank() == 0:
+    if exchange and hvd.rank() == 0:
         from hpcdl.hybrid import ExchangeSync
 
         sync = ExchangeSync.for_run(run, job, group)
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         state=run.group_state_file(group),
         tensorboard=run.tensorboard_dir(group),
     )
-    train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups, sync=sync)
+    train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
+                exchange=exchange, sync=sync)
     hvd.shutdown()
     return 0
 
