@@ -44,6 +44,7 @@ class TrainResult:
     model: Any
     last_metrics: dict[str, Any]  # rank 0's last metrics line ({} on other ranks)
     steps_run: int  # steps taken by this process (after any resume)
+    stopped: bool = False  # True: stopped early on request, after a checkpoint
 
 
 class GroupSync(Protocol):
@@ -70,12 +71,16 @@ def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape
 
 
 def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
-                group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None) -> TrainResult:
+                group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None,
+                stop_requested: Callable[[], bool] | None = None,
+                report: dict[str, Any] | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
     group was formed. `exchange` must be the same on every rank of the group (it adds collective
-    steps); `sync` is given to rank 0 only.
+    steps); `sync` is given to rank 0 only. `stop_requested` (a signal flag, e.g. SLURM's warning
+    before the time limit) is agreed on by all ranks at each step: the group checkpoints and
+    returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
     """
     if exchange and hvd.rank() == 0 and sync is None:
         raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
@@ -121,7 +126,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     window_start, window_steps, last = time.perf_counter(), 0, {}
     run_start = time.perf_counter()
     total_steps_here = 0
-    adopt_flag = tf.Variable(0, dtype=tf.int32, trainable=False)
+    coordinate = exchange or stop_requested is not None
+    stopped = False
 
     for current in range(resumed_from + 1, job.train.steps + 1):
         batch = next(batches)
@@ -130,20 +136,23 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         window_steps += 1
         total_steps_here += 1
 
-        if exchange:
+        if coordinate:
             adopted = None
-            if rank == 0:
+            if exchange and rank == 0:
                 adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)})
-                adopt_flag.assign(1 if adopted is not None else 0)
-            # The root alone reads the shared directory; the decision and the weights are
-            # broadcast so all ranks of the group adopt at the same step.
-            flag = hvd.broadcast(adopt_flag, root_rank=0, name="adopt_flag")
-            if int(flag.numpy()):
+            # One small collective decides, for all ranks at the same step, whether to adopt the
+            # master weights the root read (only the root touches the shared directory) and
+            # whether to stop (signals reach ranks at different moments).
+            local = [int(adopted is not None), int(stop_requested() if stop_requested else 0)]
+            adopt, stop = (int(v) for v in hvd.allreduce(tf.constant(local, tf.int32), op=hvd.Max,
+                                                         name="group_flags").numpy())
+            if adopt:
                 if rank == 0:
                     _assign(variables, names, adopted)
                 hvd.broadcast_variables(variables, root_rank=0)
+            stopped = bool(stop)
 
-        if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps):
+        if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
             elapsed = time.perf_counter() - window_start
             per_rank_images = window_steps * batch_images / elapsed
             sustained_elapsed = time.perf_counter() - run_start
@@ -159,6 +168,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 "flops_per_s_group": per_rank_images * flops_per_example * size,
                 "sustained_flops_per_s_group":
                     total_steps_here * batch_images * flops_per_example * size / sustained_elapsed,
+                **(report or {}),
             }
             if exchange:
                 last.update(sync.stats())
@@ -168,13 +178,16 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                     tf.summary.scalar(key, last[key])
             write_json_atomic(paths.state, {"state": "running", **last})
             window_start, window_steps = time.perf_counter(), 0
-        if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps):
+        if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
             manager.save(checkpoint_number=current)
+        if stopped:
+            break
 
     if rank == 0:
         writer.flush()
-        write_json_atomic(paths.state, {"state": "finished", **(last or {"step": int(step.numpy())})})
-    return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here)
+        final = last or {"step": int(step.numpy()), **(report or {})}
+        write_json_atomic(paths.state, {"state": "stopped" if stopped else "finished", **final})
+    return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
 
 
 def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np.ndarray]) -> None:

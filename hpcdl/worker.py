@@ -1,8 +1,13 @@
-"""One rank of one group: `python -m hpcdl.worker RUN_DIR [--slurm]`.
+"""The processes of a run, as the schedulers start them: `python -m hpcdl.worker RUN_DIR MODE`.
 
-The glue between a scheduler and the engine: read where this rank sits (Horovod variables set by
-the local backend, or SLURM's with --slurm), tune the CPU before TensorFlow loads, join the
-group's Gloo world, and hand over to `hpcdl.train`.
+* a rank (default): read where this rank sits (Horovod variables set by the local backend, or
+  SLURM's with --slurm), tune the CPU before TensorFlow loads, join the group's Gloo world, and
+  hand over to `hpcdl.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
+* `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
+* `--applier`: the applier of the run's exchange, configured from the job; it ends once every
+  group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit.
+
+This is the glue between a scheduler and the engine; neither knows the other.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-from hpcdl.launch import RankEnv
-from hpcdl.runs import RunDir, write_json_atomic
+from hpcdl.launch import RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
+from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
 from hpcdl.tuning import cores_per_rank, plan_threads, usable_cores
 
 STATS_WAIT_S = 3600.0
@@ -41,18 +47,74 @@ def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
     return json.loads(run.stats_file.read_text())
 
 
+def serve_rendezvous(run: RunDir, job, port_file: Path) -> int:
+    """Serve one SLURM group's rendezvous until the batch script kills us."""
+    nodes = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
+    group = int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
+    server, port = start_rendezvous(slurm_group_plan(nodes, job.run.ranks_per_node, group))
+    write_bytes_atomic(port_file, f"{port}\n".encode())
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    server.stop()
+    return 0
+
+
+def groups_finished(run: RunDir, groups: int) -> bool:
+    for g in range(groups):
+        try:
+            if json.loads(run.group_state_file(g).read_text()).get("state") != "finished":
+                return False
+        except (FileNotFoundError, json.JSONDecodeError):
+            return False
+    return True
+
+
+def serve_applier(run: RunDir, job) -> int:
+    import logging
+
+    from hpcdl.applier import AlreadyRunning, Applier
+    from hpcdl.exchange import Channel
+
+    logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    x = job.exchange
+    channel = Channel(run.exchange_dir(job), run.run_id)
+    try:
+        applier = Applier(channel, x.optimizer, x.learning_rate, max_staleness=x.max_staleness,
+                          stale_policy=x.stale_policy, keep_versions=x.keep_versions)
+    except AlreadyRunning as exc:
+        print(f"hpcdl applier: {exc}", file=sys.stderr)
+        return 3
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, lambda *_: applier.request_stop())
+    done = lambda: groups_finished(run, job.run.groups) and channel.backlog() == 0  # noqa: E731
+    with applier:
+        applier.run(stop=done)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.worker")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--slurm", action="store_true", help="read the rank from SLURM's variables")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--slurm", action="store_true", help="a rank; read its place from SLURM's variables")
+    mode.add_argument("--rendezvous", action="store_true", help="serve a SLURM group's rendezvous")
+    mode.add_argument("--applier", action="store_true", help="run the exchange's applier")
+    parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
     args = parser.parse_args(argv)
 
     run = RunDir(args.run_dir)
     job = run.load_job()
+    if args.rendezvous:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+        return serve_rendezvous(run, job, args.port_file)
+    if args.applier:
+        return serve_applier(run, job)
+    report = {}
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)
         host, _, port = os.environ["HPCDL_RENDEZVOUS"].rpartition(":")
         os.environ.update(rank_env.to_horovod_env(host, int(port), os.environ.get("HPCDL_GLOO_IFACE", "")))
+        report = {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                  "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
     else:
         rank_env = RankEnv.from_horovod(os.environ)
 
@@ -83,8 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         state=run.group_state_file(group),
         tensorboard=run.tensorboard_dir(group),
     )
+    stop = {"requested": False}
+    signal.signal(signal.SIGUSR1, lambda *_: stop.update(requested=True))
     train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                exchange=exchange, sync=sync)
+                exchange=exchange, sync=sync, stop_requested=lambda: stop["requested"], report=report)
     hvd.shutdown()
     return 0
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job
 from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from hpcdl.runs import RunDir, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
@@ -41,15 +40,8 @@ def worker_command(python: str, run: RunDir) -> list[str]:
     return [python, "-m", "hpcdl.worker", str(run.root)]
 
 
-def applier_command(python: str, run: RunDir, job: Job) -> list[str]:
-    x = job.exchange
-    return [
-        python, "-m", "hpcdl.applier",
-        "--exchange", str(run.exchange_dir(job)), "--run-id", run.run_id,
-        "--optimizer", x.optimizer, "--lr", repr(x.learning_rate),
-        "--max-staleness", str(x.max_staleness), "--stale-policy", x.stale_policy,
-        "--keep-versions", str(x.keep_versions),
-    ]
+def applier_command(python: str, run: RunDir) -> list[str]:
+    return [python, "-m", "hpcdl.worker", str(run.root), "--applier"]
 
 
 @dataclass
@@ -100,7 +92,7 @@ class Supervisor:
     def _start_applier(self) -> None:
         log = open(self.run.applier_log, "ab")
         self.applier = subprocess.Popen(
-            applier_command(self.python, self.run, self.job), stdout=log, stderr=subprocess.STDOUT,
+            applier_command(self.python, self.run), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
         )
         log.close()
@@ -127,7 +119,7 @@ class Supervisor:
                         gp.state = "pending"
                         gp.next_start = now + BACKOFF_S[min(gp.restarts - 1, len(BACKOFF_S) - 1)]
         active = any(gp.state in ("pending", "running") for gp in self.groups.values())
-        if self.applier is not None and self.applier.poll() is not None and active:
+        if self.applier is not None and self.applier.poll() not in (None, 0) and active:
             if self.applier_restarts < self.job.run.max_restarts * 3:
                 self.applier_restarts += 1
                 self._start_applier()
@@ -196,7 +188,7 @@ class LocalScheduler(Scheduler):
         job, run = request.job, request.run
         commands = []
         if job.exchange.active(job.run.groups):
-            commands.append(applier_command(request.python, run, job))
+            commands.append(applier_command(request.python, run))
         for g in range(job.run.groups):
             for env in local_group(g, job.run.ranks_per_group):
                 hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
