@@ -55,9 +55,9 @@ v = −|f|d/2 + √(f²d²/4 + (d/ρ) ∂p/∂d), rotating counter-clockwise in 
 the south. Per class (sizes and intensities drawn uniformly in the ranges of :class:`GeneratorConfig`):
 
 * **0 TD, tropical depression**: 5–22° latitude, r 120–220 km, Δp 2.5–7 hPa (winds ≲ 17 m/s),
-  a weak warm core (T500 +0.5–1.5 K), a moist core (TMQ +4–8) and moderate rain.
-* **1 TC, tropical cyclone**: 8–30°, r 120–250 km, Δp 15–60 hPa (winds 30–65 m/s), a warm core
-  aloft (T500 +0.8 K per 10 hPa, T200 +0.5 K per 10 hPa), a saturated moist core (TMQ +8 to +26)
+  a weak warm core (T500 +0.9–1.5 K), a moist core (TMQ +5 to +8 kg m⁻²) and moderate rain.
+* **1 TC, tropical cyclone**: 8–30°, r 120–250 km, Δp 15–60 hPa (winds 30–60 m/s), a warm core
+  aloft (T500 +0.8 K per 10 hPa, T200 +0.5 K per 10 hPa), a near-saturated moist core (TMQ +12 to +26 kg m⁻²)
   and intense rain (up to ~130 mm/day) in spiral bands, a slight cold wake at the surface.
 * **2 ETC, extratropical cyclone**: 35–65°, r 450–850 km, Δp 10–35 hPa (winds 15–35 m/s), a cold
   core aloft tilted westward (T500 −2 to −5 K), a surface thermal dipole (warm sector east, cold
