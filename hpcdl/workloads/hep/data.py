@@ -141,7 +141,8 @@ def open_hep(path) -> HepFile:
     try:
         f = h5py.File(path, "r")
     except OSError as exc:
-        raise _fail(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {exc})") from None
+        detail = " ".join(str(exc).split())  # h5py messages can span lines; keep ours to one
+        raise _fail(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {detail})") from None
     with f:
         if _NERSC_GROUP in f:
             return _validate_nersc(path, f)

@@ -20,10 +20,12 @@ are central and spherical, and quarks of one decay often merge into one large-ra
 with two or three hard sub-clusters (prongs) and a large mass.
 
 Background: QCD 2 → 2 scattering. The hard scale pT-hat is generated in slices (ATLAS "JZ"
-slices, ``GeneratorConfig.pthat_slices``) with an equal number of events per slice, following a
-falling power law ``dσ/dpT ∝ pT^-n`` inside each slice; each event's weight is its slice's cross
-section times the luminosity divided by the slice's event count, so background weights span about
-three orders of magnitude and mostly dwarf the signal weights. The two partons are back to back
+slices, ``GeneratorConfig.pthat_slices``, 0.4–3 TeV: the search triggers on a leading jet above
+440 GeV, which softer QCD practically never produces) with an equal number of events per slice,
+following a falling power law ``dσ/dpT ∝ pT^-n`` inside each slice; each event's weight is its
+slice's cross section times the luminosity divided by the slice's event count, so background
+weights span nearly three orders of magnitude and dwarf the signal weights. The hardest slices
+carry more energy than the signal: energy alone does not separate the classes. The two partons are back to back
 in φ, with the rapidity difference of t-channel scattering (forward-peaked, so QCD has large
 |Δη| between the leading jets) and a gluon fraction falling with pT. Extra jets come only from
 radiation, so QCD events have mostly 2–5 jets, gluon-rich and single-prong.
@@ -83,7 +85,7 @@ File layout
 ``train.h5``, ``val.h5``, ``test.h5``, each with group ``all_events``: ``hist``, ``histEM``,
 ``histtrack`` (N, H, W) float32; ``y`` (N,) float32 (1 signal, 0 background); ``weight`` (N,)
 float32 (expected events at ``lumi_fb``); ``passSR``, ``passSR4J``, ``passSR5J`` (N,) bool. Group
-``truth`` holds the true high-level features (fat-jet count, leading pT, M_J^Σ, Δη, HT, gluino
+``truth`` holds the true high-level features (R = 0.4 jet count, fat-jet count, leading pT, M_J^Σ, Δη, HT, gluino
 and neutralino masses, pT-hat and slice) for analysis. Generator parameters are attributes of the
 root group (``config`` holds the full :class:`GeneratorConfig` as JSON). Files are written in
 chunks (bounded memory for any N) to a temporary name and renamed into place when complete; the
@@ -127,9 +129,9 @@ class GeneratorConfig:
     gluino_beta: Tuple[float, float] = (2.0, 2.5)  # Beta(a, b) gluino velocity in the pair frame
     pair_rapidity_sigma: float = 0.6
     # background: QCD dijets in pT-hat slices, dσ/dpT ∝ pT^-n
-    pthat_slices: Tuple[float, ...] = (200.0, 300.0, 450.0, 700.0, 1100.0, 1800.0)
+    pthat_slices: Tuple[float, ...] = (400.0, 550.0, 750.0, 1000.0, 1400.0, 2000.0, 3000.0)
     qcd_power: float = 5.0
-    qcd_xsec_above_fb: float = 1.2e6  # σ(pT-hat > first slice edge)
+    qcd_xsec_above_fb: float = 7.5e4  # σ(pT-hat > first slice edge): 1.2 nb above 200 GeV × (2)^-4
     qcd_ystar_sigma: float = 0.9  # |y*| = |Δy|/2 ~ |N(0, σ)|
     qcd_yboost_sigma: float = 0.7
     # radiation
@@ -157,6 +159,8 @@ class GeneratorConfig:
     noise_hits: float = 40.0
     noise_energy: float = 0.3
     # truth jets and the selection
+    jet_radius: float = 0.4  # small-R jets, counted in truth/n_jet (pT > jet_pt_min, |η| < 2.5)
+    jet_pt_min: float = 50.0
     fat_jet_radius: float = 1.0
     fat_jet_pt_min: float = 200.0
     fat_jet_eta_max: float = 2.0
@@ -435,7 +439,7 @@ def _antikt(p: np.ndarray, radius: float):
     return jets
 
 
-_FEATURES = ("n_fatjet", "lead_pt", "mjsum", "deta12", "ht", "n_jet50")
+_FEATURES = ("n_fatjet", "lead_pt", "mjsum", "deta12", "ht", "n_jet")
 
 
 def _truth_features(partons: dict, particles: dict, n: int, cfg: GeneratorConfig) -> Dict[str, np.ndarray]:
@@ -448,9 +452,8 @@ def _truth_features(partons: dict, particles: dict, n: int, cfg: GeneratorConfig
     jpt, jeta, _ = _pt_eta_phi(jets)
     central = np.abs(jeta) < ETA_MAX
     ht = np.bincount(partons["ev"], jpt * ((jpt > 30.0) & central), minlength=n)
-    njet = np.bincount(partons["ev"], ((jpt > 50.0) & central).astype(float), minlength=n)
     out = {k: np.zeros(n) for k in _FEATURES}
-    out["ht"], out["n_jet50"] = ht, njet
+    out["ht"] = ht
     out["deta12"][:] = np.inf
     keep = jpt > 10.0
     order = np.argsort(partons["ev"][keep], kind="stable")
@@ -458,6 +461,10 @@ def _truth_features(partons: dict, particles: dict, n: int, cfg: GeneratorConfig
     bounds = np.searchsorted(ev_k, np.arange(n + 1))
     for i in range(n):
         cand = jets_k[bounds[i]:bounds[i + 1]]
+        small = [v for v, _ in _antikt(cand, cfg.jet_radius)]
+        out["n_jet"][i] = sum(
+            1 for pt, eta, _ in map(_pt_eta_phi, small) if pt > cfg.jet_pt_min and abs(eta) < ETA_MAX
+        )
         fat = []
         for vec, idx in _antikt(cand, cfg.fat_jet_radius):
             fpt = math.hypot(vec[0], vec[1])

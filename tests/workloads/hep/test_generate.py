@@ -86,8 +86,8 @@ def test_truth_physics(sample):
     ev, truth = _read(paths["train"])
     y = ev["y"] == 1
     # signal: many jets; QCD: mostly 2-5
-    assert np.median(truth["n_jet50"][y]) >= 6
-    assert np.median(truth["n_jet50"][~y]) <= 5
+    assert np.median(truth["n_jet"][y]) >= 6
+    assert np.median(truth["n_jet"][~y]) <= 5
     assert np.all(truth["m_gluino"][y] >= 1000) and np.all(truth["m_gluino"][~y] == 0)
     assert np.all(truth["pthat_slice"][y] == -1) and np.all(truth["pthat_slice"][~y] >= 0)
     lo = np.asarray(GeneratorConfig().pthat_slices)[truth["pthat_slice"][~y]]
