@@ -135,6 +135,7 @@ class SlurmConfig:
     """What a site sets for its cluster; every value is quoted when rendered."""
 
     partition: str = ""
+    applier_partition: str = ""  # empty: the same as `partition`; often a shared or service queue
     account: str = ""
     qos: str = ""
     constraint: str = ""
@@ -144,6 +145,8 @@ class SlurmConfig:
     extra_sbatch: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
     template_dir: str = ""
+    rendezvous_host: str = ""  # empty: the batch host's name; the ranks must reach it
+    gloo_iface: str = ""  # network interface for Gloo (e.g. ib0); empty: Gloo's choice
 
     def validate(self) -> None:
         if self.cpus_per_task < 0:
@@ -255,15 +258,24 @@ def _apply_override(raw: dict[str, Any], key: str, text: str) -> None:
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise JobError(f"{section} is not a section")
-    raw[section][field_name] = _parse_value(text)
+    raw[section][field_name] = CommandLineValue(text)
 
 
-def _parse_value(text: str) -> Any:
-    """A TOML value (`3`, `1e-3`, `true`, `["a"]`); anything else is taken as a plain string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
+@dataclass(frozen=True)
+class CommandLineValue:
+    """An override as typed: parsed as TOML for typed fields (`3`, `1e-3`, `true`, `["a"]`), kept
+    as the text for string fields, so `slurm.time=00:10:00` stays a string, not a TOML time."""
+
+    text: str
+
+    def for_type(self, hint: Any) -> Any:
+        try:
+            value = tomllib.loads(f"v = {self.text}")["v"]
+        except tomllib.TOMLDecodeError:
+            return self.text
+        if hint is str and not isinstance(value, str):
+            return self.text
+        return value
 
 
 def _build_section(section: str, cls: type, values: Any) -> Any:
@@ -275,7 +287,11 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
     if unknown:
         names = ", ".join(f"{section}.{k}" for k in sorted(unknown))
         raise JobError(f"unknown field {names} (known: {', '.join(sorted(fields))})")
-    converted = {k: _coerce(f"{section}.{k}", hints[k], v) for k, v in values.items()}
+    converted = {}
+    for key, value in values.items():
+        if isinstance(value, CommandLineValue):
+            value = value.for_type(hints[key])
+        converted[key] = _coerce(f"{section}.{key}", hints[key], value)
     return cls(**converted)
 
 

@@ -55,7 +55,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             "exchange_version": last.get("exchange_version"),
             "published": last.get("exchange_published"),
             "adopted": last.get("exchange_adopted"),
-            "restarts": backend.get("restarts", 0),
+            # The local supervisor counts restarts; under SLURM each rank reports SLURM_RESTART_COUNT.
+            "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
             "backend": backend,
         })
     applier = None

@@ -25,6 +25,9 @@ from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
 from hpcdl.tuning import cores_per_rank, plan_threads, usable_cores
 
 STATS_WAIT_S = 3600.0
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
+STOP_MARK = "stop"  # in a group's directory: the batch script asks the group to stop
+REQUEUE_MARK = "requeue"  # in a group's directory: it stopped on request after a checkpoint
 
 
 def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
@@ -83,12 +86,14 @@ def serve_applier(run: RunDir, job) -> int:
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 3
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+    requeue = {"asked": False}
+    for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
+    signal.signal(signal.SIGUSR1, lambda *_: (requeue.update(asked=True), applier.request_stop()))
     done = lambda: groups_finished(run, job.run.groups) and channel.backlog() == 0  # noqa: E731
     with applier:
         applier.run(stop=done)
-    return 0
+    return EXIT_REQUEUE if requeue["asked"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
     args = parser.parse_args(argv)
 
+    # Installed first: SLURM's warning signal may come while TensorFlow is still loading.
+    stop = {"requested": False}
+    signal.signal(signal.SIGUSR1, lambda *_: stop.update(requested=True))
     run = RunDir(args.run_dir)
     job = run.load_job()
     if args.rendezvous:
@@ -145,10 +153,18 @@ def main(argv: list[str] | None = None) -> int:
         state=run.group_state_file(group),
         tensorboard=run.tensorboard_dir(group),
     )
-    stop = {"requested": False}
-    signal.signal(signal.SIGUSR1, lambda *_: stop.update(requested=True))
-    train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                exchange=exchange, sync=sync, stop_requested=lambda: stop["requested"], report=report)
+    stop_mark = run.group_dir(group) / STOP_MARK
+
+    def stop_requested() -> bool:
+        # Rank 0's view is enough: the engine spreads it to the group with a collective.
+        return stop["requested"] or (hvd.rank() == 0 and stop_mark.exists())
+
+    result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
+                         exchange=exchange, sync=sync, stop_requested=stop_requested, report=report)
+    if result.stopped and hvd.rank() == 0:
+        # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
+        # the mark tells the batch script to requeue.
+        (run.group_dir(group) / REQUEUE_MARK).touch()
     hvd.shutdown()
     return 0
 

@@ -77,3 +77,8 @@ def test_unknown_workload(tmp_path):
     path.write_text('workload = "astro"\n')
     with pytest.raises(JobError, match="unknown workload 'astro'"):
         load_job(str(path))
+
+
+def test_string_fields_keep_the_text_typed():
+    job = load_job("hep", ["slurm.time=00:10:00", "slurm.partition=debug", 'slurm.account="a b"'])
+    assert job.slurm.time == "00:10:00" and job.slurm.partition == "debug" and job.slurm.account == "a b"

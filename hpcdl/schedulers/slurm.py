@@ -1,0 +1,290 @@
+"""The SLURM backend: one job array element per synchronous group, plus the applier's job.
+
+Rendering is a pure function of the request (`render_group_script`, `render_applier_script`,
+`sbatch_commands`): cluster facts such as MaxArraySize are fetched beforehand by `cluster_facts()`
+and passed in. Values that reach `#SBATCH` lines are validated against strict patterns (sbatch
+parses those lines itself, so shell quoting would not protect them); values in the script body are
+shell-quoted; paths travel as sbatch arguments. `schedule` is all or nothing: if any sbatch fails,
+what was submitted is cancelled. Watching is one batched `squeue` and one `sacct` call for all of
+a run's jobs, parsed by pure functions; without slurmdbd `sacct` fails and the status says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from hpcdl.config import Job, JobError
+from hpcdl.runs import RunDir, write_json_atomic
+from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
+
+TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "slurm_templates"
+GROUP_SCRIPT = "scheduler/group.sbatch"
+APPLIER_SCRIPT = "scheduler/applier.sbatch"
+JOBS_FILE = "scheduler/slurm.json"
+
+# SLURM's many states, mapped once into the few a user needs; anything else is "unknown".
+STATES = {
+    "PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "requeued", "REQUEUE_HOLD": "requeued",
+    "REQUEUE_FED": "requeued", "RESIZING": "running", "RUNNING": "running", "COMPLETING": "running",
+    "SIGNALING": "running", "STAGE_OUT": "running", "SUSPENDED": "suspended", "STOPPED": "suspended",
+    "PREEMPTED": "preempted", "COMPLETED": "completed", "CANCELLED": "cancelled", "FAILED": "failed",
+    "BOOT_FAIL": "failed", "DEADLINE": "timeout", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
+    "TIMEOUT": "timeout", "SPECIAL_EXIT": "failed", "REVOKED": "cancelled",
+}
+
+_DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9._:+@%/=,-]+$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9._:+@%,&|\[\]*()-]+$")
+_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")
+_EXTRA = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[^\n'\"`$\\;]*)?$")
+_PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
+
+
+def map_state(raw: str) -> str:
+    """`CANCELLED by 0` -> cancelled; unknown words -> unknown."""
+    word = raw.split()[0].rstrip("+") if raw.strip() else ""
+    return STATES.get(word, "unknown")
+
+
+def job_name(job: Job) -> str:
+    return "hpcdl-" + re.sub(r"[^A-Za-z0-9._-]", "_", job.name)[:40]
+
+
+def _checked(field: str, value: str, pattern: re.Pattern[str]) -> str:
+    if not pattern.match(value):
+        raise JobError(f"slurm.{field} {value!r} has characters SLURM directives cannot carry safely")
+    return value
+
+
+def sbatch_directives(job: Job, name: str, partition: str, nodes: int, tasks_per_node: int,
+                      cpus_per_task: int) -> list[str]:
+    """`#SBATCH` lines from the job's [slurm] section, every value validated."""
+    s = job.slurm
+    lines = [f"--job-name={name}", f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}"]
+    if cpus_per_task:
+        lines.append(f"--cpus-per-task={cpus_per_task}")
+    lines.append(f"--time={_checked('time', s.time, _TIME)}")
+    if partition:
+        lines.append(f"--partition={_checked('partition', partition, _DIRECTIVE_VALUE)}")
+    for field in ("account", "qos"):
+        value = getattr(s, field)
+        if value:
+            lines.append(f"--{field}={_checked(field, value, _DIRECTIVE_VALUE)}")
+    if s.constraint:
+        lines.append(f"--constraint={_checked('constraint', s.constraint, _CONSTRAINT)}")
+    for extra in s.extra_sbatch:
+        lines.append(_checked("extra_sbatch", extra.strip(), _EXTRA))
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def load_template(job: Job, name: str) -> str:
+    directory = Path(job.slurm.template_dir) if job.slurm.template_dir else TEMPLATES_DIR
+    path = directory / name
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise JobError(f"slurm template {path}: {exc.strerror}") from None
+
+
+def fill(template: str, values: dict[str, str], source: str) -> str:
+    """Replace `{{ name }}`; an unknown placeholder is an error, not a silent blank."""
+    def repl(match: re.Match[str]) -> str:
+        key = match.group(1)
+        if key not in values:
+            raise JobError(f"template {source}: unknown placeholder {{{{ {key} }}}}")
+        return values[key]
+
+    return _PLACEHOLDER.sub(repl, template)
+
+
+def _setup_lines(job: Job) -> str:
+    for line in job.slurm.setup:
+        if "\n" in line:
+            raise JobError("slurm.setup: one shell line per list item (no newlines)")
+    return "\n".join(job.slurm.setup)
+
+
+def render_group_script(request: SubmitRequest) -> str:
+    job = request.job
+    s = job.slurm
+    srun_cpus = f"--cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else ""
+    threads = s.cpus_per_task or 0
+    tuning = []
+    if threads:
+        # OpenMP/oneDNN read these at load; the worker refines TensorFlow's pools from them.
+        tuning = [f"export OMP_NUM_THREADS={threads}", f"export KMP_BLOCKTIME={job.tuning.kmp_blocktime}",
+                  f"export KMP_AFFINITY={shlex.quote(job.tuning.kmp_affinity)}"]
+    directives = sbatch_directives(job, job_name(job), s.partition, job.run.nodes_per_group,
+                                   job.run.ranks_per_node, s.cpus_per_task)
+    directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    if s.signal_seconds:
+        directives.append(f"#SBATCH --signal=B:USR1@{s.signal_seconds}")
+    return fill(load_template(job, "group.sbatch"), {
+        "sbatch_directives": "\n".join(directives),
+        "setup": _setup_lines(job),
+        "tuning_env": "\n".join(tuning),
+        "run_dir": shlex.quote(str(request.run.root.resolve())),
+        "python": shlex.quote(request.python),
+        "ranks_per_node": str(job.run.ranks_per_node),
+        "srun_cpus": srun_cpus,
+        "rendezvous_host": shlex.quote(s.rendezvous_host) if s.rendezvous_host else "$(hostname)",
+        "gloo_iface": shlex.quote(s.gloo_iface),
+    }, "group.sbatch")
+
+
+def render_applier_script(request: SubmitRequest) -> str:
+    job = request.job
+    s = job.slurm
+    directives = sbatch_directives(job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, 1, 1)
+    directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    if job.slurm.signal_seconds:
+        directives.append(f"#SBATCH --signal=B:USR1@{job.slurm.signal_seconds}")
+    return fill(load_template(job, "applier.sbatch"), {
+        "sbatch_directives": "\n".join(directives),
+        "setup": _setup_lines(job),
+        "run_dir": shlex.quote(str(request.run.root.resolve())),
+        "python": shlex.quote(request.python),
+    }, "applier.sbatch")
+
+
+def sbatch_commands(request: SubmitRequest) -> dict[str, list[str]]:
+    """The exact sbatch calls; paths go as arguments, never through a shell."""
+    run = request.run.root.resolve()
+    groups = request.job.run.groups
+    commands = {}
+    if request.job.exchange.active(groups):
+        commands["applier"] = ["sbatch", "--parsable", f"--output={run}/applier-%j.out",
+                               str(run / APPLIER_SCRIPT)]
+    commands["array"] = ["sbatch", "--parsable", f"--array=0-{groups - 1}",
+                         f"--output={run}/groups/%a/slurm-%A_%a.out", str(run / GROUP_SCRIPT)]
+    return commands
+
+
+def parse_scontrol_config(text: str) -> dict[str, Any]:
+    """Facts from `scontrol show config`: MaxArraySize and the SLURM version."""
+    facts: dict[str, Any] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep:
+            continue
+        if key == "MaxArraySize" and value.isdigit():
+            facts["max_array_size"] = int(value)
+        elif key == "SLURM_VERSION":
+            facts["slurm_version"] = value
+    return facts
+
+
+def parse_squeue(text: str) -> dict[str, dict[str, str]]:
+    """`squeue -h -r -o %i|%T|%N|%M` -> {"123_0": {"state", "nodes", "elapsed"}}."""
+    jobs = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) != 4:
+            continue
+        job_id, state, nodes, elapsed = parts
+        jobs[job_id] = {"state": map_state(state), "slurm_state": state, "nodes": nodes, "elapsed": elapsed}
+    return jobs
+
+
+def parse_sacct(text: str) -> dict[str, dict[str, str]]:
+    """`sacct -P -o JobID,State,NodeList,Elapsed` (with header) -> as parse_squeue.
+
+    The parsing of job ids (arrays, pending ranges such as `123_[0-3]`) is submitit's.
+    """
+    from submitit.slurm.slurm import SlurmInfoWatcher
+
+    out = {}
+    for job_id, row in SlurmInfoWatcher().read_info(text).items():
+        out[job_id] = {"state": map_state(row.get("State", "")), "slurm_state": row.get("State", ""),
+                       "nodes": row.get("NodeList", ""), "elapsed": row.get("Elapsed", "")}
+    return out
+
+
+def _run(cmd: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        raise SchedulerError(f"{cmd[0]} not found: is this a SLURM login node?") from None
+    except subprocess.TimeoutExpired:
+        raise SchedulerError(f"{' '.join(cmd[:2])} did not answer in {timeout:.0f} s") from None
+
+
+class SlurmScheduler(Scheduler):
+    name = "slurm"
+
+    def cluster_facts(self) -> dict[str, Any]:
+        """Read before rendering; an unreachable controller leaves the facts empty."""
+        try:
+            proc = _run(["scontrol", "show", "config"], timeout=15)
+        except SchedulerError:
+            return {}
+        return parse_scontrol_config(proc.stdout) if proc.returncode == 0 else {}
+
+    def submit_dryrun(self, request: SubmitRequest) -> DryRun:
+        job = request.job
+        limit = request.cluster.get("max_array_size")
+        if limit is not None and job.run.groups > limit:
+            raise JobError(
+                f"{job.run.groups} groups need array indices 0-{job.run.groups - 1}, but this cluster's "
+                f"MaxArraySize is {limit}: use a larger run.group_size"
+            )
+        files = {GROUP_SCRIPT: render_group_script(request)}
+        if job.exchange.active(job.run.groups):
+            files[APPLIER_SCRIPT] = render_applier_script(request)
+        return DryRun(self.name, files, list(sbatch_commands(request).values()), request)
+
+    def schedule(self, dryrun: DryRun, **_: Any) -> dict[str, Any]:
+        submitted: dict[str, str] = {}
+        try:
+            for role, cmd in sbatch_commands(dryrun.request).items():
+                proc = _run(cmd)
+                if proc.returncode != 0:
+                    raise SchedulerError(f"sbatch for the {role} failed: {proc.stderr.strip() or proc.stdout.strip()}")
+                submitted[role] = proc.stdout.strip().split(";")[0]
+        except BaseException:
+            if submitted:
+                _run(["scancel", *submitted.values()])
+            raise
+        ids = {"slurm_array_job_id": submitted["array"], "slurm_applier_job_id": submitted.get("applier")}
+        write_json_atomic(dryrun.request.run.root / JOBS_FILE, ids)
+        return ids
+
+    def _ids(self, run: RunDir) -> dict[str, str | None]:
+        try:
+            return json.loads((run.root / JOBS_FILE).read_text())
+        except FileNotFoundError:
+            raise SchedulerError(f"{run.root} has no SLURM job ids: was it submitted?") from None
+
+    def describe(self, run: RunDir) -> dict[str, Any]:
+        ids = self._ids(run)
+        job_ids = [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]
+        queue = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M"])
+        jobs = parse_squeue(queue.stdout) if queue.returncode == 0 else {}
+        note = ""
+        acct = _run(["sacct", "-X", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,Elapsed"])
+        if acct.returncode == 0:
+            for job_id, info in parse_sacct(acct.stdout).items():
+                jobs.setdefault(job_id, info)  # squeue knows better while a job is queued or running
+        else:
+            note = f"sacct unavailable ({acct.stderr.strip() or 'no accounting'}): states of ended jobs unknown"
+        array = ids["slurm_array_job_id"]
+        groups_total = run.load_job().run.groups
+        groups = {}
+        for g in range(groups_total):
+            info = jobs.get(f"{array}_{g}") or jobs.get(f"{array}_[{g}]")
+            groups[str(g)] = info or {"state": "unknown"}
+        applier = jobs.get(ids.get("slurm_applier_job_id") or "", None)
+        return {"groups": groups, "applier": applier, "note": note, "job_ids": ids}
+
+    def cancel(self, run: RunDir) -> str:
+        ids = self._ids(run)
+        targets = [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]
+        proc = _run(["scancel", *targets])
+        if proc.returncode != 0 and "already completed" not in proc.stderr and "Invalid job id" not in proc.stderr:
+            raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")
+        return f"cancelled SLURM jobs {', '.join(targets)}"

@@ -1,0 +1,129 @@
+"""Rendering and parsing of the SLURM backend: pure functions, no cluster needed."""
+
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcdl.config import JobError, load_job
+from hpcdl.runs import RunDir
+from hpcdl.schedulers.base import SubmitRequest
+from hpcdl.schedulers.slurm import (
+    SlurmScheduler, map_state, parse_sacct, parse_scontrol_config, parse_squeue, render_group_script,
+    sbatch_commands,
+)
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def request(overrides=(), run_dir="/scratch/runs/hep-1", cluster=None):
+    job = load_job("hep", ["run.backend=slurm", "run.nodes=8", "run.group_size=4", "run.ranks_per_node=2",
+                           "slurm.partition=regular", "slurm.account=m1234", "slurm.cpus_per_task=34",
+                           'slurm.setup=["module load python/3.11"]', *overrides])
+    return SubmitRequest(job, RunDir(Path(run_dir)), "/opt/hpcdl/bin/python", cluster or {})
+
+
+def test_rendered_scripts_match_the_golden_files():
+    dry = SlurmScheduler().submit_dryrun(request())
+    for name in ("group.sbatch", "applier.sbatch"):
+        assert dry.files[f"scheduler/{name}"] == (GOLDEN / name).read_text(), name
+    assert dry.commands == [
+        ["sbatch", "--parsable", "--output=/scratch/runs/hep-1/applier-%j.out",
+         "/scratch/runs/hep-1/scheduler/applier.sbatch"],
+        ["sbatch", "--parsable", "--array=0-1", "--output=/scratch/runs/hep-1/groups/%a/slurm-%A_%a.out",
+         "/scratch/runs/hep-1/scheduler/group.sbatch"],
+    ]
+
+
+def test_9600_nodes_render_a_100_element_array():
+    req = request(["run.nodes=9600", "run.group_size=96", "run.ranks_per_node=1"], cluster={"max_array_size": 1001})
+    dry = SlurmScheduler().submit_dryrun(req)
+    assert "--array=0-99" in dry.commands[-1]
+    assert "#SBATCH --nodes=96" in dry.files["scheduler/group.sbatch"]
+
+
+def test_more_groups_than_max_array_size():
+    with pytest.raises(JobError, match="MaxArraySize is 1001"):
+        SlurmScheduler().submit_dryrun(request(["run.nodes=9600", "run.group_size=8"], cluster={"max_array_size": 1001}))
+
+
+@pytest.mark.parametrize("override", [
+    'slurm.partition="debug; rm -rf ~"', 'slurm.account="$(id)"', 'slurm.qos="a b"',
+    'slurm.time="1:00:00\\n#SBATCH --uid=0"', 'slurm.extra_sbatch=["--mail-user=$(id)"]',
+    'slurm.extra_sbatch=["not an option"]', 'slurm.constraint="knl`id`"',
+])
+def test_values_that_could_inject_are_refused(override):
+    with pytest.raises(JobError, match="slurm\\."):
+        render_group_script(request([override]))
+
+
+def test_weird_run_directory_is_quoted(tmp_path):
+    weird = tmp_path / "my runs $(touch pwned) 'quoted' \"double\"" / "hep-1"
+    script = render_group_script(request(run_dir=str(weird)))
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    line = next(l for l in script.splitlines() if l.startswith("run_dir="))
+    out = subprocess.run(["bash", "-c", f"{line}; printf %s \"$run_dir\""], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.stdout == str(weird) and not (tmp_path / "pwned").exists()
+    # paths that sbatch sees travel as arguments, never through a shell or a directive
+    commands = sbatch_commands(request(run_dir=str(weird)))
+    assert commands["array"][-1] == f"{weird}/scheduler/group.sbatch"
+
+
+def test_template_dir_override(tmp_path):
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\necho site {{ run_dir }}\n")
+    script = render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
+    assert script.endswith("echo site /scratch/runs/hep-1\n")
+    (tmp_path / "group.sbatch").write_text("{{ nonsense }}\n")
+    with pytest.raises(JobError, match="unknown placeholder"):
+        render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
+
+
+# -- parsers on recorded output (Slurm 22.05) -------------------------------------------------
+SQUEUE = """\
+41_0|RUNNING|n[1-2]|0:17
+41_1|PENDING||0:00
+40|RUNNING|n1|0:18
+"""
+
+SACCT = """\
+JobID|State|NodeList|Elapsed
+40|COMPLETED|n1|00:00:34
+41_0|COMPLETED|n[1-2]|00:00:35
+41_1|CANCELLED by 0|n[3-4]|00:00:12
+42_[2-3]|PENDING|None assigned|00:00:00
+"""
+
+SCONTROL = """\
+Configuration data as of 2026-11-29T19:14:03
+AccountingStorageType   = accounting_storage/slurmdbd
+MaxArraySize            = 1001
+SLURM_VERSION           = 22.05.8
+"""
+
+
+def test_parse_squeue():
+    jobs = parse_squeue(SQUEUE)
+    assert jobs["41_0"] == {"state": "running", "slurm_state": "RUNNING", "nodes": "n[1-2]", "elapsed": "0:17"}
+    assert jobs["41_1"]["state"] == "pending" and jobs["40"]["nodes"] == "n1"
+
+
+def test_parse_sacct_with_array_ranges():
+    jobs = parse_sacct(SACCT)
+    assert jobs["41_0"]["state"] == "completed" and jobs["41_0"]["elapsed"] == "00:00:35"
+    assert jobs["41_1"]["state"] == "cancelled"
+    assert jobs["42_2"]["state"] == jobs["42_3"]["state"] == "pending"
+
+
+def test_parse_scontrol_config():
+    assert parse_scontrol_config(SCONTROL) == {"max_array_size": 1001, "slurm_version": "22.05.8"}
+
+
+@pytest.mark.parametrize("raw, state", [
+    ("RUNNING", "running"), ("CANCELLED by 1000", "cancelled"), ("REQUEUED", "requeued"),
+    ("TIMEOUT", "timeout"), ("COMPLETED+", "completed"), ("SOMETHING_NEW", "unknown"), ("", "unknown"),
+])
+def test_state_mapping(raw, state):
+    assert map_state(raw) == state

@@ -1,0 +1,144 @@
+"""hpcdl's SLURM backend against the real local cluster (munge, slurmctld, slurmdbd, 4 slurmd)."""
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HPCDL, set_args, tiny_overrides
+
+pytestmark = pytest.mark.slurm
+
+LOCAL_CLUSTER = ["run.backend=slurm", "slurm.rendezvous_host=127.0.0.1", "slurm.gloo_iface=lo",
+                 "slurm.cpus_per_task=1", "slurm.time=00:10:00"]
+
+
+def hpcdl(*args, cwd, check=True):
+    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def submit(hep_files, tmp_path, steps, *extra, nodes=4, group_size=2):
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=steps) + LOCAL_CLUSTER + list(extra)
+    out = hpcdl("submit", "hep", "--nodes", str(nodes), "--group-size", str(group_size), "--json",
+                *set_args(overrides), cwd=tmp_path)
+    return json.loads(out.stdout)
+
+
+def status(run_dir, cwd):
+    return json.loads(hpcdl("status", str(run_dir), "--json", cwd=cwd).stdout)
+
+
+def wait_status(run_dir, cwd, predicate, timeout=300, what="condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = status(run_dir, cwd)
+        if predicate(last):
+            return last
+        time.sleep(1.0)
+    raise AssertionError(f"timed out waiting for {what}; last status: {json.dumps(last)[:2000]}")
+
+
+def slurm(*args):
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+
+
+def queue_empty(ids):
+    out = slurm("squeue", "-h", "-j", ",".join(i for i in ids if i)).stdout
+    return out.strip() == ""
+
+
+def test_two_array_elements_and_the_applier_train_to_the_end(slurm_cluster, hep_files, tmp_path):
+    sub = submit(hep_files, tmp_path, steps=40)
+    run_dir = Path(sub["run_dir"])
+    assert sub["slurm_array_job_id"] and sub["slurm_applier_job_id"]
+    seen_running = wait_status(run_dir, tmp_path, lambda s: any(g["step"] > 0 for g in s["groups"]), what="training")
+    assert all(g["backend"].get("nodes") for g in seen_running["groups"])
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished" and all(
+        g["backend"].get("state") == "completed" for g in s["groups"]), what="the end")
+    assert [g["step"] for g in done["groups"]] == [40, 40]
+    assert done["applier"]["applied"] > 0 and done["applier"]["backend"]["state"] in ("completed", "running")
+    result = json.loads(hpcdl("evaluate", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert result["model"].startswith("master weights") and result["auc_weighted"] > 0.9
+    shown = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+    assert "n[" in shown or "n1" in shown  # node lists from SLURM
+
+
+def test_scancel_one_element_the_rest_goes_on(slurm_cluster, hep_files, tmp_path):
+    sub = submit(hep_files, tmp_path, steps=150)
+    run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
+    wait_status(run_dir, tmp_path, lambda s: s["groups"][1]["step"] >= 10, what="group 1 training")
+    assert slurm("scancel", f"{array}_1").returncode == 0
+    cancelled_at = time.monotonic()
+    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["state"] == "finished"
+                       and s["groups"][1]["state"] == "cancelled", what="group 0 to finish, group 1 cancelled")
+    assert done["groups"][0]["step"] == 150 and done["groups"][1]["step"] < 150
+    assert done["applier"]["applied"] > 0
+    assert time.monotonic() - cancelled_at > 1  # group 0 trained on after the cancel
+    # A cancelled group never finishes, so the applier waits for it: the user cancels the run
+    # (twice here: it is harmless).
+    assert "cancelled" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    hpcdl("cancel", str(run_dir), cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not queue_empty([array, sub["slurm_applier_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([array, sub["slurm_applier_job_id"]])
+
+
+def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path):
+    sub = submit(hep_files, tmp_path, steps=120)
+    run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
+    wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["step"] >= 30, what="group 0 past a checkpoint")
+    assert slurm("scontrol", "requeue", f"{array}_0").returncode == 0
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished", timeout=400, what="the end")
+    assert done["groups"][0]["restarts"] == 1 and done["groups"][1]["restarts"] == 0
+    steps = [json.loads(l) for l in (run_dir / "groups/0/metrics.jsonl").read_text().splitlines()]
+    restarted = [m for m in steps if m.get("restart_count") == 1]
+    assert restarted and restarted[0]["step"] > 10  # resumed from a checkpoint, not from step 0
+
+
+def test_time_limit_signal_checkpoints_and_requeues(slurm_cluster, hep_files, tmp_path):
+    # A 1-minute limit with USR1 58 s before it: the signal comes soon after the start (SLURM
+    # checks limits about every 30 s); the group checkpoints, exits 75 and requeues itself.
+    sub = submit(hep_files, tmp_path, 400, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
+                 nodes=2, group_size=2)
+    run_dir = Path(sub["run_dir"])
+    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["restarts"] >= 1 and s["groups"][0]["step"] > 0,
+                       timeout=300, what="a requeue after the signal")
+    log = "\n".join(p.read_text() for p in (run_dir / "groups/0").glob("slurm-*.out"))
+    assert "checkpointed; requeueing" in log
+    hpcdl("cancel", str(run_dir), cwd=tmp_path)
+    assert done["groups"][0]["restarts"] >= 1
+
+
+def test_failed_sbatch_leaves_nothing_submitted(slurm_cluster, hep_files, tmp_path):
+    before = slurm("squeue", "-h", "-o", "%i").stdout.split()
+    # The applier's partition exists, the groups' does not: the first sbatch succeeds, the
+    # second fails, and the first must be cancelled.
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=5) + LOCAL_CLUSTER + [
+        "slurm.partition=nosuch", "slurm.applier_partition=debug"]
+    proc = hpcdl("submit", "hep", "--nodes", "4", "--group-size", "2", *set_args(overrides), cwd=tmp_path,
+                 check=False)
+    assert proc.returncode == 1
+    assert "sbatch for the array failed" in proc.stderr
+    time.sleep(1)
+    assert slurm("squeue", "-h", "-o", "%i").stdout.split() == before
+    runs = tmp_path / "runs"
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+def test_dry_run_for_9600_nodes(slurm_cluster, hep_files, tmp_path):
+    start = time.monotonic()
+    out = hpcdl("submit", "hep", "--backend", "slurm", "--nodes", "9600", "--group-size", "96", "--dry-run",
+                "--set", f'data.train="{hep_files["train"]}"', cwd=tmp_path).stdout
+    assert time.monotonic() - start < 5  # well under a second of work; the rest is Python start-up
+    assert "--array=0-99" in out and "#SBATCH --nodes=96" in out
+    assert not (tmp_path / "runs").exists()
+    proc = hpcdl("submit", "hep", "--backend", "slurm", "--nodes", "9600", "--group-size", "4", "--dry-run",
+                 cwd=tmp_path, check=False)
+    assert proc.returncode == 2 and "MaxArraySize is 1001" in proc.stderr
