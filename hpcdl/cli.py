@@ -208,26 +208,81 @@ def data():
 
 
 @data.command("generate")
-@click.argument("workload", type=click.Choice(["hep"]))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for train.h5, val.h5, test.h5.")
-@click.option("--events", required=True, type=click.IntRange(min=10), help="Events in total (80/10/10 %).")
-@click.option("--image-size", default=64, show_default=True, type=click.IntRange(min=8, max=512), help="Calorimeter image side (the paper: 64 or 224).")
+@click.argument("workload", type=click.Choice(["hep", "climate"]))
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for train.h5, val.h5, test.h5 (80/10/10 %).")
+@click.option("--events", type=click.IntRange(min=10), help="hep: events in total.")
+@click.option("--image-size", default=64, show_default=True, type=click.IntRange(min=8, max=512), help="hep: calorimeter image side (the paper: 64 or 224).")
+@click.option("--images", type=click.IntRange(min=10), help="climate: images in total.")
+@click.option("--height", default=96, show_default=True, type=click.IntRange(min=16), help="climate: grid rows (latitude; the real set: 768).")
+@click.option("--width", default=144, show_default=True, type=click.IntRange(min=16), help="climate: grid columns (longitude; the real set: 1152).")
+@click.option("--labelled-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0), help="climate: share of images that keep their boxes.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
-def data_generate(workload, out_dir, events, image_size, seed, as_json):
-    """Write a physics-motivated synthetic data set (NERSC RPV-SUSY HDF5 layout for hep)."""
+def data_generate(workload, out_dir, events, image_size, images, height, width, labelled_fraction, seed, as_json):
+    """Write a physics-motivated synthetic data set in the published HDF5 layout: the NERSC
+    RPV-SUSY layout for hep, the ExtremeWeather layout for climate."""
     from hpcdl.display import counting_progress
-    from hpcdl.workloads.hep.generate import generate
 
-    progress, task = counting_progress(err, "generating events", events)
+    if workload == "hep":
+        from hpcdl.workloads.hep.generate import generate
+
+        if events is None:
+            raise click.UsageError("hep needs --events")
+        total, what = events, "events"
+        run = lambda progress: generate(out_dir, events, image_size=image_size, seed=seed, progress=progress)  # noqa: E731
+    else:
+        from hpcdl.workloads.climate.generate import generate
+
+        if images is None:
+            raise click.UsageError("climate needs --images")
+        total, what = images, "images"
+        run = lambda progress: generate(out_dir, images, height=height, width=width,  # noqa: E731
+                                        labelled_fraction=labelled_fraction, seed=seed, progress=progress)
+    progress, task = counting_progress(err, f"generating {what}", total)
     with progress:
-        files = generate(out_dir, events, image_size=image_size, seed=seed,
-                         progress=lambda n: progress.advance(task, n))
+        try:
+            files = run(lambda n: progress.advance(task, n))
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     if as_json:
         _emit_json({k: str(v) for k, v in files.items()})
     else:
         for name, path in files.items():
             console.print(f"{name}: {path}")
+
+
+# -- plan -----------------------------------------------------------------------------------------
+@main.command()
+@click.argument("workload", type=click.Choice(["hep"]))
+@click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
+@click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
+@click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status).")
+@click.option("--groups", "group_counts", help="Comma-separated group counts to compare (default: divisors of --nodes up to 128).")
+@click.option("--staleness-bound", default=8.0, show_default=True, type=click.FloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--json", "as_json", is_flag=True)
+def plan(workload, nodes, inputs_spec, node_flops, group_counts, staleness_bound, seed, as_json):
+    """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
+    into groups, and recommend one. Every assumption is printed."""
+    from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, render_paper_check
+
+    if inputs_spec and node_flops:
+        raise click.UsageError("give --inputs or --node-flops, not both")
+    if not inputs_spec and not node_flops:
+        raise click.UsageError("give --node-flops (measure it with `make bench`) or --inputs paper|FILE")
+    try:
+        inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(
+            node_flops, source="--node-flops")
+        counts = [int(c) for c in group_counts.split(",")] if group_counts else None
+        result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if as_json:
+        _emit_json(result.to_dict())
+        return
+    click.echo(result.render_text())
+    if inputs_spec == "paper":
+        click.echo("\n" + render_paper_check(paper_check(seed=seed)))
 
 
 # -- doctor / completion --------------------------------------------------------------------------
