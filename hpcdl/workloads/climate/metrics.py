@@ -187,7 +187,7 @@ def plot_detections(path, field: np.ndarray, truth: np.ndarray, detections: np.n
         ax.set_title(title, fontsize=9)
     fig.tight_layout()
     with _atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", bbox_inches="tight")
     return path
 
 
