@@ -180,7 +180,7 @@ def cancel(run, runs_dir):
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
-@click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (.npz or .csv).")
+@click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
 def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
     """Score a model. CHECKPOINT is a run directory, a checkpoint directory or a checkpoint prefix
@@ -192,7 +192,11 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
         checkpoint = find_run(None, runs_dir).root
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
         raise click.BadParameter("must end in .npz or .csv", param_hint="--scores-out")
-    result = run_evaluate(checkpoint, data, out_dir, scores_out)
+    from hpcdl.display import counting_progress
+
+    progress, task = counting_progress(err, "scoring", None)
+    with progress:
+        result = run_evaluate(checkpoint, data, out_dir, scores_out, progress=lambda n: progress.advance(task, n))
     if as_json:
         _emit_json(result)
         return
@@ -215,7 +219,7 @@ def data():
 @click.option("--images", type=click.IntRange(min=10), help="climate: images in total.")
 @click.option("--height", default=96, show_default=True, type=click.IntRange(min=16), help="climate: grid rows (latitude; the real set: 768).")
 @click.option("--width", default=144, show_default=True, type=click.IntRange(min=16), help="climate: grid columns (longitude; the real set: 1152).")
-@click.option("--labelled-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0), help="climate: share of images that keep their boxes.")
+@click.option("--labelled-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0), help="climate: share of training images that keep their boxes (val and test are fully labelled).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
 def data_generate(workload, out_dir, events, image_size, images, height, width, labelled_fraction, seed, as_json):

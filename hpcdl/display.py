@@ -87,7 +87,7 @@ def training_progress(console) -> Progress:
     )
 
 
-def counting_progress(console, description: str, total: int) -> tuple[Progress, int]:
+def counting_progress(console, description: str, total: int | None) -> tuple[Progress, int]:
     progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TimeRemainingColumn(), console=console)
     return progress, progress.add_task(description, total=total)
