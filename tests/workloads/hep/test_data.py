@@ -438,11 +438,15 @@ class _ReadSpy:
 
     def __init__(self, monkeypatch):
         self.calls = []  # (dataset name, events requested)
+        self.ranges = []  # (first, stop) event of every slice read
         original = h5py.Dataset.__getitem__
         spy = self
 
         def getitem(ds, key, *args, **kwargs):
             spy.calls.append((ds.name, spy._events(ds, key)))
+            first = key[0] if isinstance(key, tuple) and key else key
+            if isinstance(first, slice):
+                spy.ranges.append(first.indices(ds.shape[0])[:2])
             return original(ds, key, *args, **kwargs)
 
         monkeypatch.setattr(h5py.Dataset, "__getitem__", getitem)
@@ -468,10 +472,13 @@ def test_reads_are_bounded_by_chunk_events(tmp_path, monkeypatch):
     class_weight_means(p, chunk=32)
     assert spy.largest() == 32
     spy.calls.clear()
+    spy.ranges.clear()
     with iter_batches(p, 10, rank=1, size=2, epochs=2, chunk_events=24, prefetch=2) as it:
         n = sum(len(b.y) for b in it)
     assert n == 2 * 200
     assert spy.largest() == 24
+    assert len(spy.ranges) == len(spy.calls)  # every read was a slice...
+    assert min(lo for lo, _ in spy.ranges) == 200 and max(hi for _, hi in spy.ranges) == 400  # ...of the shard
     names = {name for name, _ in spy.calls}
     assert names == {"/all_events/" + k for k in ("hist", "histEM", "histtrack", "y", "weight", "passSR")}
     # the spy is honest: a whole-dataset read is seen as such

@@ -143,6 +143,13 @@ def test_deterministic_for_a_seed(tmp_path):
     assert not np.array_equal(_read(a["train"])[0]["hist"], _read(c["train"])[0]["hist"])
 
 
+def test_signal_fraction_follows_request(tmp_path):
+    paths = generate(tmp_path, 60, image_size=8, seed=5, fractions=(0.5, 0.25, 0.25), signal_fraction=0.3)
+    for name, n in (("train", 30), ("val", 15), ("test", 15)):
+        ev, _ = _read(paths[name])
+        assert len(ev["y"]) == n and ev["y"].sum() == round(0.3 * n)
+
+
 def test_overwrites_atomically_and_cleans_up_on_failure(tmp_path):
     paths = generate(tmp_path, 20, image_size=8, seed=1)
     before = paths["train"].read_bytes()
