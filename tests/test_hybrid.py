@@ -98,7 +98,7 @@ def test_kill_a_rank_of_group_one(hep_files, tmp_path):
     wait_for(lambda: state(run_dir, 1).get("step", 0) >= 30, what="group 1 at step 30")
     victim = local_view(run_dir)["groups"]["1"]["pids"][1]
     os.kill(victim, signal.SIGKILL)
-    step0_at_kill = state(run_dir, 0)["step"]
+    step0_at_kill = state(run_dir, 0).get("step", 0)
     killed_at = state(run_dir, 1)["step"]
 
     wait_for(lambda: local_view(run_dir)["groups"]["1"]["restarts"] == 1, what="group 1 restarted")
@@ -120,16 +120,16 @@ def test_kill_the_applier(hep_files, tmp_path):
     wait_for(lambda: state(run_dir, 0).get("step", 0) >= 20, what="step 20")
     applier = local_view(run_dir)["applier"]["pid"]
     os.kill(applier, signal.SIGKILL)
-    steps_at_kill = [state(run_dir, g)["step"] for g in (0, 1)]
+    steps_at_kill = [state(run_dir, g).get("step", 0) for g in (0, 1)]
     wait_for(lambda: local_view(run_dir)["applier"]["restarts"] >= 1, what="the applier restarted")
-    wait_for(lambda: all(state(run_dir, g)["step"] > s for g, s in zip((0, 1), steps_at_kill)),
+    wait_for(lambda: all(state(run_dir, g).get("step", 0) > s for g, s in zip((0, 1), steps_at_kill)),
              what="both groups going on")
     finish(proc)
     applied_exactly_once(run_dir)
 
 
 def test_bad_files_in_the_exchange_are_rejected_and_the_run_goes_on(hep_files, tmp_path):
-    proc, run_dir = start_run(hep_files, tmp_path, steps=80)
+    proc, run_dir = start_run(hep_files, tmp_path, steps=200)  # long enough for a cleaning round
     updates = run_dir / "exchange" / "updates"
     wait_for(lambda: state(run_dir, 0).get("step", 0) >= 10, what="step 10")
     marker = tmp_path / "pwned"
