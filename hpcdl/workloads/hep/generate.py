@@ -85,11 +85,18 @@ File layout
 ``train.h5``, ``val.h5``, ``test.h5``, each with group ``all_events``: ``hist``, ``histEM``,
 ``histtrack`` (N, H, W) float32; ``y`` (N,) float32 (1 signal, 0 background); ``weight`` (N,)
 float32 (expected events at ``lumi_fb``); ``passSR``, ``passSR4J``, ``passSR5J`` (N,) bool. Group
-``truth`` holds the true high-level features (R = 0.4 jet count, fat-jet count, leading pT, M_J^Σ, Δη, HT, gluino
-and neutralino masses, pT-hat and slice) for analysis. Generator parameters are attributes of the
-root group (``config`` holds the full :class:`GeneratorConfig` as JSON). Files are written in
-chunks (bounded memory for any N) to a temporary name and renamed into place when complete; the
-output is a deterministic function of the arguments (given the numpy version).
+``truth`` holds the true high-level features (R = 0.4 jet count, fat-jet count, leading fat-jet
+pT, M_J^Σ, Δη, HT, gluino mass, pT-hat and slice) for analysis. Generator parameters are
+attributes of the root group (``config`` holds the full :class:`GeneratorConfig` as JSON). Files
+are written in chunks (bounded memory for any N) to a temporary name and renamed into place when
+complete; the output is a deterministic function of the arguments (given the numpy version).
+
+Validation (24k events, 64×64, a 4-layer CNN trained 4–10 minutes on 2 cores, two seeds): test
+AUC ≈ 0.995 weighted, 0.965–0.985 unweighted (≈ 0.85 after the first epoch); the selection keeps
+≈ 40 % of the weighted signal at a weighted background efficiency of ≈ 2.5e-3, where the CNN
+keeps 60–88 %. No single image sum (energy,
+tracks) comes close to the selection; the true jet multiplicity is the strongest single variable
+the cuts leave out.
 """
 
 from __future__ import annotations
@@ -105,7 +112,7 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import h5py
 import numpy as np
 
-__all__ = ["GeneratorConfig", "SPLITS", "generate", "simulate"]
+__all__ = ["GeneratorConfig", "SPLITS", "generate", "gluino_xsec_fb", "selection", "simulate"]
 
 GENERATOR_VERSION = 1
 SPLITS = ("train", "val", "test")
