@@ -10,15 +10,14 @@ from __future__ import annotations
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any
 
 from hpcdl.config import Job, load_job
 from hpcdl.runs import RunDir, create_run, new_run_id
 from hpcdl.schedulers import Scheduler, SubmitRequest, get_scheduler
 from hpcdl.schedulers.base import DryRun
 from hpcdl.workloads import get_workload
-
-from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -35,10 +34,10 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     scheduler = get_scheduler(job.run.backend)
     if job.run.backend == "local":
         get_workload(job.workload).check_data(job)
-    if cluster is None and hasattr(scheduler, "cluster_facts"):
+    if cluster is None:
         cluster = scheduler.cluster_facts()
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
-    return Prepared(job, scheduler, scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster or {})))
+    return Prepared(job, scheduler, scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster)))
 
 
 def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
@@ -53,6 +52,7 @@ def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
     try:
         ids = prepared.scheduler.schedule(dry, **schedule_options)
     except BaseException:
+        # A local run that failed while training keeps its directory: its logs say why.
         if prepared.scheduler.name != "local":
             shutil.rmtree(final.root, ignore_errors=True)
         raise

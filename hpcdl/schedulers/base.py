@@ -53,6 +53,10 @@ class DryRun:
 class Scheduler(ABC):
     name: str
 
+    def cluster_facts(self) -> dict[str, Any]:
+        """Facts about the target read before rendering (e.g. SLURM's MaxArraySize); none here."""
+        return {}
+
     @abstractmethod
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         """Render the submission; no side effects."""
