@@ -1,6 +1,7 @@
 """The local backend end to end, through the real `hpcdl` command: train, status, evaluate."""
 
 import json
+import os
 import subprocess
 
 import numpy as np
@@ -53,3 +54,30 @@ def test_submit_resumes_nothing_from_another_run(hep_files, tmp_path):
     assert len(dirs) == 2
     for d in dirs:
         assert [json.loads(l)["step"] for l in (d / "groups/0/metrics.jsonl").read_text().splitlines()] == [5]
+
+
+def test_detached_run_can_be_watched_and_cancelled(hep_files, tmp_path):
+    import time
+
+    runs = tmp_path / "runs"
+    out = json.loads(hpcdl("submit", "hep", "--detach", "--json", "--nodes", "2",
+                           *set_args(tiny_overrides(hep_files, runs, steps=100000)), cwd=tmp_path).stdout)
+    run_dir = runs / out["run_id"]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        status = json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+        if status["groups"][0]["step"] > 0:
+            break
+        time.sleep(1)
+    assert status["state"] == "running" and status["groups"][0]["step"] > 0
+    pids = json.loads((run_dir / "scheduler/local.json").read_text())["groups"]["0"]["pids"]
+    assert len(pids) == 2
+    assert "SIGTERM" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)["state"] == "running":
+        time.sleep(1)
+    status = json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert status["groups"][0]["state"] == "cancelled" and status["state"] == "failed"
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+    assert hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout.strip() == "nothing running"
