@@ -65,7 +65,22 @@ header, not our format, wrong run id, ...) or an entry it cannot read at all (a 
 permission) is counted as ``rejected_corrupt``, logged and moved aside; a well-formed update that does not fit the master is ``rejected_invalid``. An update file
 deleted by its publisher before it was read (backlog bound) is counted as ``vanished``. I/O errors
 on the exchange directory itself (OSError) make :meth:`Applier.run` reload the durable state and
-retry with backoff.
+retry with backoff; it does not process anything until that reload has succeeded.
+
+Authentication: the applier reads and writes with its channel's signer. A run's applier
+(``python -m hpcdl.worker RUN --applier``) uses the run's key, so an update, proposal or state
+written without it (missing tag, plain SHA-256 tag, or an HMAC under another key) is rejected as
+``rejected_corrupt`` with a reason that says so, logged and moved aside like any corrupt file.
+An update file larger than the master's tensors can need (every element as 8 bytes, plus the
+largest header) is refused before it is read, so a huge file cannot make the applier allocate
+its size.
+
+Full disk and quota: a commit that fails (ENOSPC/EDQUOT while writing the state, the weights, the
+events or the status) changes nothing durable: the state and the weights are published through
+temporaries, a partly appended events line is cut off again, and the update files stay pending.
+The applier records the problem in ``applier/storage.json`` (a fixed-size file rewritten in
+place; ``hpcdl status`` shows it), reloads its state and retries with backoff; groups keep
+training. The next successful commit clears the problem.
 
 Initial weights
 ===============
@@ -76,6 +91,7 @@ as version 0, deleting the others.
 
 Status for humans and tools
 ===========================
+``applier/storage.json``: storage problems (see :mod:`hpcdl.storage`).
 ``applier/events.jsonl``: one JSON object a line (rotated to ``events.jsonl.1`` past
 ``events_max_bytes``; readers skip a line that does not parse, e.g. one torn by a crash): ``event_id``, ``time``, ``event`` (applied |
 dropped | rejected | duplicate | vanished | init | adopted), ``group``, ``seq``, ``base_version``,
@@ -92,6 +108,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import errno
 import json
 import logging
 import os
@@ -105,8 +122,10 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from hpcdl.exchange import (
-    Channel, CorruptFile, Signer, UpdateRef, atomic_write_bytes, read_file, write_file,
+    ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, Signer, UpdateRef,
+    atomic_write_bytes, read_file, write_file,
 )
+from hpcdl.storage import REPORT_FILE, StorageReport, is_storage_full
 
 try:
     import fcntl
@@ -244,6 +263,8 @@ class Applier:
         self._crash_hits = 0
         self._last_status = 0.0
         self._lock_fd = self._acquire_lock() if lock else None
+        self.storage = StorageReport(self.ch.applier_dir / REPORT_FILE, self.ch.access)
+        self._healthy = False  # True once the durable state is loaded and consistent
         try:
             self._recover()
         except BaseException:
@@ -257,6 +278,8 @@ class Applier:
         self._stop = True
 
     def close(self) -> None:
+        if getattr(self, "storage", None) is not None:
+            self.storage.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -304,17 +327,26 @@ class Applier:
         try:
             while not self._stop and not (stop is not None and stop()):
                 try:
+                    if not self._healthy:
+                        self._recover()
+                        self.storage.succeeded("applier commit")
                     n = self.step()
-                except OSError:
-                    log.exception("I/O error; reloading the durable state, retrying in %.1fs",
-                                  backoff)
+                except OSError as e:
+                    # Nothing is processed on a state that did not reload completely: a failed
+                    # reload leaves _healthy False and is retried first, next time round.
+                    self._healthy = False
+                    if is_storage_full(e):
+                        self.storage.failed("applier commit", e, path=self.ch.root,
+                                            detail="nothing lost: the updates stay pending; "
+                                                   "retrying")
+                    else:
+                        log.exception("I/O error; reloading the durable state, retrying in %.1fs",
+                                      backoff)
                     time.sleep(backoff)
                     backoff = min(max(backoff, 0.05) * 2, 10.0)
-                    try:
-                        self._recover()
-                    except OSError:
-                        log.exception("recovery failed; will retry")
                     continue
+                if n:
+                    self.storage.succeeded("applier commit")
                 backoff = poll_interval
                 now = time.monotonic()
                 # Busy or idle: a killed writer's temporary must not outlive the bound for long.
@@ -328,10 +360,18 @@ class Applier:
                 if idle_exit_after is not None and now - last_activity >= idle_exit_after:
                     break
                 if time.time() - self._last_status >= self.status_interval:
-                    self._write_status()
+                    try:
+                        self._write_status()
+                        self.storage.succeeded("applier status")
+                    except OSError as e:
+                        if not is_storage_full(e):
+                            raise
+                        self.storage.failed("applier status", e, path=self.ch.status_path)
+                        self._last_status = time.time()
                 time.sleep(poll_interval)
         finally:
             try:
+                self.ch.clean_stale_temporaries(self.temp_max_age_s)  # leave no dead writer's
                 self._write_status(phase="stopped")
             except OSError:
                 log.exception("could not write the final status")
@@ -357,7 +397,7 @@ class Applier:
             log.info("update group %d seq %d already processed: deleting", *key)
             return
         try:
-            upd = self.ch.read_update(ref)
+            upd = self.ch.read_update(ref, max_bytes=self._max_update_bytes)
         except FileNotFoundError:
             self.counters["vanished"] += 1
             self._event(batch, "vanished", group=ref.group, seq=ref.seq, file=ref.name)
@@ -464,6 +504,12 @@ class Applier:
                 return f"tensor {name!r}: non-finite values"
         return None
 
+    @property
+    def _max_update_bytes(self) -> int:
+        """The largest update file that can fit the master: 8-byte elements, aligned, max header."""
+        return PREFIX_SIZE + MAX_HEADER_BYTES + sum(
+            w.size * 8 + ALIGN for w in self.weights.values())
+
     def _adopt(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         self.weights = {k: np.array(v, copy=True) for k, v in tensors.items()}
         self.slots = {s: {k: np.zeros_like(w) for k, w in self.weights.items()}
@@ -542,7 +588,8 @@ class Applier:
             "last_batch": self.last_batch, "last_apply_time": self.last_apply_time,
         }
         write_file(self.ch.state_path, run_id=self.ch.run_id, kind="state", tensors=tensors,
-                   signer=self.ch.signer, version=self.version, meta=meta, fsync=self.ch.fsync)
+                   signer=self.ch.signer, version=self.version, meta=meta, fsync=self.ch.fsync,
+                   access=self.ch.access)
 
     def _reset(self) -> None:
         self.version: int | None = None
@@ -580,6 +627,11 @@ class Applier:
 
     def _recover(self) -> None:
         """Load the durable state and finish whatever the last run left half done."""
+        self._healthy = False
+        self._recover_state()
+        self._healthy = True
+
+    def _recover_state(self) -> None:
         self._reset()
         # We hold the lock and only the applier writes applier/ and weights/, so every
         # temporary there is a dead applier's.
@@ -655,16 +707,32 @@ class Applier:
         if not new:
             return
         data = b"".join(json.dumps(ev, separators=(",", ":")).encode() + b"\n" for ev in new)
-        with open(self.ch.events_path, "a+b") as f:
-            if f.tell() > 0:
-                f.seek(-1, os.SEEK_END)
-                if f.read(1) != b"\n":
-                    data = b"\n" + data  # terminate a line torn by a crash
-            f.write(data)
-            f.flush()
-            if self.ch.fsync:
-                os.fsync(f.fileno())
-            size = f.tell()
+        fd = os.open(self.ch.events_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     self.ch.access.file_mode)
+        try:
+            start = os.lseek(fd, 0, os.SEEK_END)
+            if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
+                data = b"\n" + data  # terminate a line torn by a crash
+            try:
+                view = memoryview(data)
+                while view:
+                    n = os.write(fd, view)
+                    if n <= 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    view = view[n:]
+                if self.ch.fsync:
+                    os.fsync(fd)
+            except OSError:
+                # A full disk may have let part of the data in: cut it off again, so a retry
+                # cannot log an event twice (we are the only writer: we hold the lock).
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:
+                    pass
+                raise
+            size = start + len(data)
+        finally:
+            os.close(fd)
         self._logged_event_id = new[-1]["event_id"]
         if size > self.events_max_bytes:  # keep one rotated file: disk use stays bounded
             os.replace(self.ch.events_path, self._rotated_events_path)
@@ -692,11 +760,12 @@ class Applier:
 
     def _write_status(self, phase: str | None = None) -> None:
         data = json.dumps(self.status(phase), indent=1, allow_nan=False).encode() + b"\n"
-        atomic_write_bytes(self.ch.status_path, data, fsync=self.ch.fsync)
+        atomic_write_bytes(self.ch.status_path, data, fsync=self.ch.fsync, access=self.ch.access)
         self._last_status = time.time()
 
     def _acquire_lock(self) -> int | None:
-        fd = os.open(self.ch.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.ch.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     self.ch.access.file_mode)
         if fcntl is None:
             return fd
         try:
@@ -735,6 +804,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Run the applier (parameter server) of one run.")
     p.add_argument("--exchange", required=True, type=Path, help="the run's exchange directory")
     p.add_argument("--run-id", required=True)
+    p.add_argument("--key-file", type=Path, default=None,
+                   help="the run's key (RUN_DIR/run.key): exchange files are authenticated with "
+                        "HMAC-SHA256; without it, tags are plain SHA-256 (integrity only)")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--momentum", type=float, default=0.9)
@@ -760,8 +832,19 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    signer = Signer()
+    if args.key_file is not None:
+        from hpcdl.runkey import RunKeyError, load_key_file
+
+        try:
+            signer = Signer(load_key_file(args.key_file))
+        except RunKeyError as e:
+            log.error("cannot start: %s", e)
+            return 1
+    else:
+        log.warning("no --key-file: exchange files are checked for corruption, not authenticated")
     channel = Channel(args.exchange, args.run_id, create=True, fsync=not args.no_fsync,
-                      signer=Signer())
+                      signer=signer)
     try:
         applier = Applier(
             channel, args.optimizer, args.lr, max_staleness=args.max_staleness,

@@ -10,6 +10,7 @@ field's type, and an unknown key is an error that names it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -35,8 +36,11 @@ class RunConfig:
     backend: str = "local"
     runs_dir: str = "runs"
     max_restarts: int = 3  # per group, before the run gives that group up
+    unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
 
     def validate(self) -> None:
+        if self.unix_group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", self.unix_group):
+            raise JobError(f"run.unix_group {self.unix_group!r} is not a unix group name")
         _positive("run.nodes", self.nodes)
         _positive("run.ranks_per_node", self.ranks_per_node)
         if self.group_size < 0:

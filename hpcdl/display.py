@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from rich.console import Group
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -47,6 +48,9 @@ def status_view(status: Mapping[str, Any]):
                        si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")), stale,
                        str(g["restarts"]))
     parts = [groups]
+    warnings = storage_warnings(status.get("storage") or [])
+    if warnings is not None:
+        parts.insert(0, warnings)
     applier = status.get("applier")
     if applier is not None:
         table = Table(title="applier (master weights)", title_justify="left")
@@ -66,6 +70,24 @@ def status_view(status: Mapping[str, Any]):
         f" ({si(per_node, 'FLOP/s')} per node) · peak {si(t['peak_flops_per_s'], 'FLOP/s')}"
     )
     return Group(*parts)
+
+
+def storage_warnings(warnings: list[Mapping[str, Any]]):
+    """A red block listing storage problems (full disk, quota), or None when there are none."""
+    if not warnings:
+        return None
+    table = Table(title="[bold red]⚠ storage problems[/] (writes failed; training goes on)",
+                  title_justify="left", show_header=False, border_style="red")
+    table.add_column("where", style="bold red", no_wrap=True)
+    table.add_column("what", style="red", no_wrap=True)
+    table.add_column("problem", style="red")
+    for w in warnings:
+        count = f" ({w['count']}×)" if w.get("count") else ""
+        age = f", last {_age(w['age_s'])} ago" if w.get("age_s") else ""
+        detail = f" — {w['detail']}" if w.get("detail") else ""
+        table.add_row(escape(str(w.get("where", ""))), escape(str(w.get("what", ""))),
+                      escape(f"{w.get('error', '')}{count}{age}{detail}"))
+    return table
 
 
 def metrics_table(title: str, metrics: Mapping[str, Any]) -> Table:

@@ -76,7 +76,24 @@ the file name.
 Integrity versus authenticity: with ``Signer(key=None)`` the tag is a plain SHA-256 (it detects
 corruption, not forgery). ``Signer(key=b"...")`` switches every writer and reader of a Channel to
 HMAC-SHA256 with that key; a reader refuses a file whose ``tag_alg`` differs from its own
-signer's (no downgrade). File and directory modes are left at the process umask for now.
+signer's (no downgrade). A run's channels use the run's key (:func:`hpcdl.runkey.run_signer`),
+so a file written without it -- by another user, another run, a stale process -- is rejected like
+a corrupt one (the applier counts it under ``rejected_corrupt`` and moves it aside).
+
+Permissions
+===========
+Directories and files get their modes from the Channel's :class:`hpcdl.runkey.Access`, never from
+the process umask: owner only by default (directories 0700, files 0600), group only when the job
+names a unix group (2770 / 0660). A directory the channel creates gets the policy; an existing
+subdirectory of ours that is looser is tightened; an existing root is left as it is (it may be
+a directory the user chose) but a warning is logged when others can enter it.
+
+Full disks and quotas
+=====================
+A publish that fails (ENOSPC, EDQUOT, any OSError) raises, and removes its temporary: no partial
+file is ever visible under a final name and the previous files are untouched. What to do about it
+is the caller's decision: the group root keeps the update in memory and retries at its next
+exchange (:mod:`hpcdl.hybrid`); the applier keeps its last committed state and retries.
 
 Arrival order
 =============
@@ -135,6 +152,8 @@ from typing import Any, BinaryIO, Callable, Mapping
 
 import numpy as np
 
+from hpcdl.runkey import Access
+
 log = logging.getLogger("hpcdl.exchange")
 
 MAGIC = b"HPCDLX\r\n"
@@ -146,6 +165,7 @@ MAX_HEADER_BYTES = 1 << 20
 ALIGN = 64
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 32
+MAX_ELEMENTS = 1 << 48  # bound on prod(max(d, 1)) of a shape: numpy can hold any such array
 MAX_REJECTED = 100
 TMP_PREFIX = ".tmp-"
 KINDS = ("update", "weights", "init", "state")
@@ -219,12 +239,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True) -> Path:
-    """Publish ``path`` atomically: temporary in the same directory, fsync, rename, fsync dir."""
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True,
+                 access: Access | None = None) -> Path:
+    """Publish ``path`` atomically: temporary in the same directory, fsync, rename, fsync dir.
+
+    The file gets ``access``'s mode (owner-only 0600 by default) whatever the umask. On any error
+    (ENOSPC, EDQUOT, ...) the temporary is removed and the error raised: ``path`` keeps its
+    previous content, if any.
+    """
     path = Path(path)
+    access = access or Access()
     tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
     try:
-        with open(tmp, "xb") as f:
+        with os.fdopen(access.open_new(tmp), "wb") as f:
             write(f)
             f.flush()
             if fsync:
@@ -241,8 +268,9 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool =
     return path
 
 
-def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> Path:
-    return atomic_write(path, lambda f: f.write(data), fsync=fsync)
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
+                       access: Access | None = None) -> Path:
+    return atomic_write(path, lambda f: f.write(data), fsync=fsync, access=access)
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,6 +301,7 @@ def write_file(
     version: int | None = None,
     meta: Mapping[str, Any] | None = None,
     fsync: bool = True,
+    access: Access | None = None,
 ) -> Path:
     """Encode ``tensors`` in the exchange format and publish them atomically at ``path``."""
     if kind not in KINDS:
@@ -322,7 +351,7 @@ def write_file(
         f.seek(_SIGNED_PREFIX)
         f.write(h.digest())
 
-    return atomic_write(path, write, fsync=fsync)
+    return atomic_write(path, write, fsync=fsync, access=access)
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -375,7 +404,8 @@ def _parse_header(hbytes: bytes, payload_len: int) -> dict[str, Any]:
         if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
             raise CorruptFile(f"tensor {name!r:.80}: dtype {dtype!r:.20} not allowed")
         if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-                or not all(_is_int(d) and d >= 0 for d in shape)):
+                or not all(_is_int(d) and d >= 0 for d in shape)
+                or math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS):
             raise CorruptFile(f"tensor {name!r:.80}: bad shape")
         offset, nbytes = t["offset"], t["nbytes"]
         if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
@@ -446,14 +476,19 @@ def read_file(
     h.update(hbytes)
     h.update(payload)
     if not hmac.compare_digest(h.digest(), tag):
-        raise CorruptFile("checksum mismatch: tag does not match the content")
+        raise CorruptFile("checksum mismatch: tag does not match the content"
+                          + (" (corrupt, or not written with this run's key)"
+                             if signer.alg != "sha256" else ""))
     tensors: dict[str, np.ndarray] = {}
     for t in header["tensors"]:
         dt = np.dtype(t["dtype"])
         count = t["nbytes"] // dt.itemsize
-        arr = np.frombuffer(payload, dtype=dt, count=count, offset=t["offset"]) if count else (
-            np.empty(0, dtype=dt))
-        arr = arr.reshape(t["shape"])
+        try:
+            arr = np.frombuffer(payload, dtype=dt, count=count, offset=t["offset"]) if count else (
+                np.empty(0, dtype=dt))
+            arr = arr.reshape(t["shape"])
+        except (ValueError, OverflowError) as e:  # a backstop: validation should prevent it
+            raise CorruptFile(f"tensor {t['name']!r:.80}: {type(e).__name__}: {e}") from None
         native = dt.newbyteorder("=")
         if not dt.isnative or t["offset"] % dt.alignment:
             arr = arr.astype(native)  # copies: native order, aligned
@@ -518,7 +553,9 @@ class Channel:
 
     ``max_pending_per_group``: when set, publish_update keeps at most this many pending updates of
     the publishing group, deleting that group's oldest ones. ``signer``: the tag (plain SHA-256 by
-    default). ``fsync=False`` skips fsyncs (tests, local scratch); publishing stays atomic.
+    default; a run's channels pass :func:`hpcdl.runkey.run_signer`). ``access``: modes of the
+    directories and files (owner only by default). ``fsync=False`` skips fsyncs (tests, local
+    scratch); publishing stays atomic.
     """
 
     def __init__(
@@ -531,6 +568,7 @@ class Channel:
         signer: Signer | None = None,
         fsync: bool = True,
         stripe: bool = True,
+        access: Access | None = None,
     ):
         if not isinstance(run_id, str) or not run_id or len(run_id) > 256:
             raise ValueError("run_id must be a non-empty string of at most 256 characters")
@@ -539,6 +577,7 @@ class Channel:
         self.root = Path(root)
         self.run_id = run_id
         self.signer = signer or Signer()
+        self.access = access or Access()
         self.fsync = fsync
         self.max_pending_per_group = max_pending_per_group
         self.dropped_backlog = 0  # updates this process deleted to keep the backlog bound
@@ -555,8 +594,10 @@ class Channel:
                 self.rejected_dir)
         if create:
             new_updates = not self.updates_dir.exists()
+            if not self.access.make_dir(self.root, tighten=False):
+                _warn_if_open(self.root)
             for d in dirs:
-                d.mkdir(parents=True, exist_ok=True)
+                self.access.make_dir(d)
             if new_updates and stripe:
                 _stripe_small_files(self.updates_dir)
         elif not all(d.is_dir() for d in dirs):
@@ -566,10 +607,12 @@ class Channel:
 
     def _write(self, path: Path, kind: str, tensors: Tensors, **fields: Any) -> Path:
         return write_file(path, run_id=self.run_id, kind=kind, tensors=tensors,
-                          signer=self.signer, fsync=self.fsync, **fields)
+                          signer=self.signer, fsync=self.fsync, access=self.access, **fields)
 
-    def _read(self, path: Path, kind: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        return read_file(path, run_id=self.run_id, signer=self.signer, kinds=(kind,))
+    def _read(self, path: Path, kind: str, max_bytes: int | None = None
+              ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        return read_file(path, run_id=self.run_id, signer=self.signer, kinds=(kind,),
+                         max_bytes=max_bytes)
 
     @staticmethod
     def _listing(directory: Path, pattern: re.Pattern[str]) -> list[tuple[os.DirEntry, re.Match]]:
@@ -630,9 +673,10 @@ class Channel:
         return sum(1 for _, m in self._listing(self.updates_dir, _UPDATE_RE)
                    if int(m.group(1)) == group)
 
-    def read_update(self, ref: UpdateRef | Path) -> Update:
+    def read_update(self, ref: UpdateRef | Path, max_bytes: int | None = None) -> Update:
+        """Read and validate one update; ``max_bytes`` refuses larger files before reading."""
         path = ref.path if isinstance(ref, UpdateRef) else Path(ref)
-        header, tensors = self._read(path, "update")
+        header, tensors = self._read(path, "update", max_bytes)
         if parse_update_name(path.name) != (header["group"], header["seq"]):
             raise CorruptFile("file name does not match the header's group/seq")
         return Update(header["group"], header["seq"], header["base_version"], tensors, path,
@@ -789,6 +833,17 @@ class Channel:
         except (OSError, ValueError):
             return None
         return status if isinstance(status, dict) else None
+
+
+def _warn_if_open(root: Path) -> None:
+    try:
+        mode = os.stat(root).st_mode
+    except OSError:
+        return
+    if mode & 0o007:
+        log.warning("exchange directory %s has mode %04o: other users can enter it (the files "
+                    "in it are owner-only and authenticated, but consider chmod o-rwx)",
+                    root, mode & 0o7777)
 
 
 def _stripe_small_files(directory: Path) -> None:

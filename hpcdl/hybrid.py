@@ -7,10 +7,23 @@ engine broadcasts it inside the group. A group never waits for the applier: if t
 or down, the group keeps training on its own weights, and the channel's backlog bound keeps the
 directory from growing. On start and on restart the root takes the newest master weights (or
 proposes its own, so that all groups start from the same version 0).
+
+Every channel of a run is keyed by the run's secret (`run.key`, see hpcdl.runkey): files written
+without it are rejected by the applier and by the groups.
+
+A publish that fails because the disk or the quota is full (ENOSPC, EDQUOT) leaves nothing behind
+(the channel removes its temporary) and does not stop training: the update is kept in memory and
+published, with the next sequence number, at the next exchange -- so sequence numbers stay
+contiguous and the applier's exactly-once ledger sees no gap. At most `max_pending_per_group`
+updates are kept (the oldest are dropped and counted, as the channel's backlog bound does on
+disk). The problem is recorded in the group's storage report (`hpcdl status` shows it) and
+cleared by the next successful publish.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
 import time
 from typing import Any, Callable
 
@@ -18,28 +31,43 @@ import numpy as np
 
 from hpcdl.exchange import Channel
 from hpcdl.runs import RunDir
+from hpcdl.storage import StorageReport, is_storage_full, storage_report
+
+log = logging.getLogger("hpcdl.hybrid")
 
 INITIAL_WAIT_S = 60.0
+DEFAULT_UNPUBLISHED = 4  # updates kept in memory while publishing fails, without a channel bound
+
+
+def run_channel(run: RunDir, job, *, create: bool = True, **kwargs: Any) -> Channel:
+    """The run's exchange channel: the run's key, the run's access policy."""
+    return Channel(run.exchange_dir(job), run.run_id, create=create, signer=run.signer(),
+                   access=run.access(job), **kwargs)
 
 
 class ExchangeSync:
-    def __init__(self, channel: Channel, group: int, every: int, initial_wait_s: float = INITIAL_WAIT_S):
+    def __init__(self, channel: Channel, group: int, every: int, initial_wait_s: float = INITIAL_WAIT_S,
+                 report: StorageReport | None = None):
         self.channel = channel
         self.group = group
         self.every = every
         self.initial_wait_s = initial_wait_s
+        self.report = report
         self.version = -1  # master version our weights derive from; -1: our own weights
         self.seq = channel.next_seq(group)
         self.published = 0
         self.adopted = 0
         self.seconds = 0.0
         self.last_exchange: float | None = None
+        # (base_version, tensors) computed but not yet published (the disk or quota was full)
+        self.unpublished: collections.deque[tuple[int, dict[str, np.ndarray]]] = collections.deque()
+        self.publish_failures = 0
+        self.unpublished_dropped = 0
 
     @classmethod
     def for_run(cls, run: RunDir, job, group: int) -> "ExchangeSync":
-        channel = Channel(run.exchange_dir(job), run.run_id,
-                          max_pending_per_group=job.exchange.max_pending_per_group)
-        return cls(channel, group, job.exchange.every)
+        channel = run_channel(run, job, max_pending_per_group=job.exchange.max_pending_per_group)
+        return cls(channel, group, job.exchange.every, report=storage_report(run.storage_file(group)))
 
     def initial_weights(self, names_and_values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         start = time.perf_counter()
@@ -58,9 +86,8 @@ class ExchangeSync:
         if step % self.every:
             return None
         start = time.perf_counter()
-        self.channel.publish_update(self.group, self.seq, self.version, grads())
-        self.seq += 1
-        self.published += 1
+        self.unpublished.append((self.version, grads()))
+        self.publish_pending()
         adopted = None
         newest = self.channel.latest_weights_version()
         if newest is not None and newest > self.version:
@@ -72,6 +99,37 @@ class ExchangeSync:
         self.seconds += time.perf_counter() - start
         return adopted
 
+    def publish_pending(self) -> bool:
+        """Publish the updates kept in memory, oldest first; False if the disk/quota is full.
+
+        Sequence numbers are given at publish time, so a failed publish leaves no gap.
+        """
+        while self.unpublished:
+            base_version, tensors = self.unpublished[0]
+            try:
+                self.channel.publish_update(self.group, self.seq, base_version, tensors)
+            except OSError as exc:
+                if not is_storage_full(exc):
+                    raise
+                self.publish_failures += 1
+                bound = self.channel.max_pending_per_group or DEFAULT_UNPUBLISHED
+                while len(self.unpublished) > bound:
+                    self.unpublished.popleft()
+                    self.unpublished_dropped += 1
+                if self.report is not None:
+                    self.report.failed("exchange publish", exc, path=self.channel.updates_dir,
+                                       detail=f"{len(self.unpublished)} updates held in memory, "
+                                              f"{self.unpublished_dropped} dropped")
+                else:
+                    log.warning("publish failed (%s); %d updates held", exc, len(self.unpublished))
+                return False
+            self.unpublished.popleft()
+            self.seq += 1
+            self.published += 1
+        if self.report is not None:
+            self.report.succeeded("exchange publish")
+        return True
+
     def stats(self) -> dict[str, Any]:
         return {
             "exchange_version": self.version,
@@ -80,13 +138,16 @@ class ExchangeSync:
             "exchange_seconds": self.seconds,
             "exchange_last_s": self.last_exchange,
             "exchange_backlog_dropped": self.channel.dropped_backlog,
+            "exchange_publish_failures": self.publish_failures,
+            "exchange_unpublished": len(self.unpublished),
+            "exchange_unpublished_dropped": self.unpublished_dropped,
         }
 
 
 def adopt_master_weights(run: RunDir, job, model) -> int | None:
     """Load the run's newest master weights into `model`; returns the version, None if none."""
     try:
-        channel = Channel(run.exchange_dir(job), run.run_id, create=False)
+        channel = run_channel(run, job, create=False)
     except FileNotFoundError:
         return None
     latest = channel.read_latest_weights()

@@ -3,10 +3,12 @@
     runs/<run-id>/
       job.toml              the resolved job (what every process reads)
       run.json              run id, backend, created, scheduler job ids
+      run.key               the run's secret: the HMAC key of its exchange (see hpcdl.runkey)
       stats.json            workload normalisation constants (written once, atomically)
       groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
       groups/<g>/state.json      the group's last known state (published atomically)
       groups/<g>/rank<r>.log     each rank's stdout/stderr
+      groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
       checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
       tensorboard/<g>/      TensorBoard event files
       exchange/             the asynchronous channel (unless the job names another directory)
@@ -15,10 +17,15 @@
 `hpcdl status` works from a fresh shell because everything is a file here. A run directory is
 built under a hidden temporary name and renamed into place only when complete, so a failed
 submission leaves nothing behind.
+
+Permissions: the run directory and everything `create_run` puts in it are owner-only (0700 / 0600)
+or group-only (2770 / 0660 with `run.unix_group`), whatever the umask; files written later through
+this module get the mode of the directory's policy too (see hpcdl.runkey).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
@@ -31,6 +38,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpcdl.config import Job, job_from_dict
+from hpcdl.runkey import KEY_FILE, Access, RunKeyError, access_for_job, create_key
+from hpcdl.storage import REPORT_FILE, StorageReport
 
 import tomllib
 
@@ -60,6 +69,25 @@ class RunDir:
     @property
     def stats_file(self) -> Path:
         return self.root / "stats.json"
+
+    @property
+    def key_file(self) -> Path:
+        return self.root / KEY_FILE
+
+    def signer(self):
+        """The HMAC signer of this run's exchange (raises RunKeyError without a sound key)."""
+        from hpcdl.runkey import RunKeyError, run_signer
+
+        try:
+            return run_signer(self.root)
+        except RunKeyError as exc:
+            raise RunError(str(exc)) from None
+
+    def access(self, job: Job | None = None) -> Access:
+        return access_for_job(job or self.load_job())
+
+    def storage_file(self, group: int) -> Path:
+        return self.group_dir(group) / REPORT_FILE
 
     @property
     def scheduler_dir(self) -> Path:
@@ -124,28 +152,55 @@ def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tu
     body succeeds, so an error while preparing leaves no half-made run behind.
 
     Yields (staged, final): write into `staged`; refer to `final` in anything that outlives the
-    submission (scripts, commands)."""
+    submission (scripts, commands).
+
+    The run gets its secret (`run.key`) and its access policy (`run.unix_group`): when the body is
+    done, every directory and file in the staged tree is given the policy's mode (scripts keep
+    their owner's execute bit), whatever the umask was when they were written."""
+    try:
+        access = access_for_job(job)
+    except RunKeyError as exc:
+        raise RunError(str(exc)) from None
     runs_dir = Path(job.run.runs_dir)
-    runs_dir.mkdir(parents=True, exist_ok=True)
+    access.make_dir(runs_dir, tighten=False)  # a new runs/ is ours; an existing one is left
     run_id = run_id or new_run_id(job)
     staging = Path(tempfile.mkdtemp(prefix=f".staging-{run_id}-", dir=runs_dir))
     final = runs_dir / run_id
     try:
+        access.fix_dir(staging)
         staged = RunDir(staging)
-        staged.job_file.write_text(job.to_toml())
+        create_key(staging, access)
+        write_bytes_atomic(staged.job_file, job.to_toml().encode())
         write_json_atomic(staged.info_file, {
             "run_id": run_id, "workload": job.workload, "backend": backend,
             "created": time.time(), "groups": job.run.groups,
             "ranks_per_group": job.run.ranks_per_group,
         })
         for g in range(job.run.groups):
-            staged.group_dir(g).mkdir(parents=True)
-        staged.scheduler_dir.mkdir()
+            access.make_dir(staged.group_dir(g))
+            StorageReport(staged.storage_file(g), access).close()  # reserved while there is space
+        access.make_dir(staged.scheduler_dir)
         yield staged, RunDir(final)
+        apply_access(staging, access)
         os.rename(staging, final)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def apply_access(root: Path, access: Access) -> None:
+    """Give every directory and regular file under `root` the policy's mode (not the key's,
+    which is stricter; symbolic links are not followed)."""
+    access.fix_dir(root)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames:
+            path = Path(dirpath) / name
+            if not path.is_symlink():
+                access.fix_dir(path)
+        for name in filenames:
+            if Path(dirpath) == root and name == KEY_FILE:
+                continue
+            access.fix_file(Path(dirpath) / name)
 
 
 def staged_path(run: RunDir) -> Path:
@@ -175,10 +230,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename: readers see old or new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write to a temporary name in the same directory, fsync, rename: readers see old or new.
+
+    The file is owner-only (0600), or 0660 in a group-only run's directory. On any error (a full
+    disk, a quota) the temporary is removed and the error raised; `path` keeps its old content."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        Access.of_directory(_existing_ancestor(path.parent)).make_dir(path.parent)
+    access = Access.of_directory(path.parent)
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     try:
+        if access.group:
+            os.fchmod(fd, access.file_mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -189,10 +252,36 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """One line per write: O_APPEND keeps whole lines from concurrent writers of small records."""
-    with open(path, "a") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+    """One line per write: O_APPEND keeps whole lines from concurrent writers of small records.
+
+    The file is created owner-only (or group-only, by its directory). If the write fails (a full
+    disk, a quota), the part of the line that was written is cut off again, so the file stays a
+    sequence of whole lines (exact for a single writer, as a group's metrics are), and the error
+    is raised."""
+    path = Path(path)
+    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = Access.of_directory(path.parent).open_append(path)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # a short write: the rest did not fit
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        except OSError:
+            try:
+                os.ftruncate(fd, size)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

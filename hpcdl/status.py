@@ -4,6 +4,11 @@ Sources: run.json and job.toml (what was asked), each group's state.json and met
 its root reports), the applier's status.json in the exchange directory, and the backend's own view
 (`Scheduler.describe`: local processes, or SLURM's squeue/sacct).
 
+Storage warnings (`storage`): the problems each group root and the applier recorded in their
+storage reports (a full disk or quota made a checkpoint, metrics, state or exchange write fail;
+see hpcdl.storage), and the free space of the run's file systems, checked here directly -- so a
+full disk shows even when nothing could be written about it.
+
 FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *sustained* the
 work of the whole run divided by its wall time (data loading, checkpoints and exchange included);
 the totals add the groups' rates.
@@ -16,6 +21,7 @@ import time
 from typing import Any
 
 from hpcdl.runs import RunDir, read_jsonl
+from hpcdl.storage import REPORT_FILE, low_space, read_report
 
 
 def _read_json(path) -> dict[str, Any] | None:
@@ -55,6 +61,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             "exchange_version": last.get("exchange_version"),
             "published": last.get("exchange_published"),
             "adopted": last.get("exchange_adopted"),
+            "unpublished": last.get("exchange_unpublished"),
             # The local supervisor counts restarts; under SLURM each rank reports SLURM_RESTART_COUNT.
             "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
             "backend": backend,
@@ -67,6 +74,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             per_group = applier["groups"].get(str(entry["group"]), {})
             entry["staleness_mean"] = per_group.get("staleness_mean")
             entry["staleness_max"] = per_group.get("staleness_max")
+    storage = _storage_warnings(run, job, groups, applier is not None)
     totals = {
         "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == "running"),
         "sustained_flops_per_s": _sum(g["sustained_flops_per_s"] for g in groups),
@@ -83,8 +91,57 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "note": backend_view.get("note", ""),
         "groups": groups,
         "applier": applier,
+        "storage": storage,
         "totals": totals,
     }
+
+
+def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: bool) -> list[dict[str, Any]]:
+    """Active storage problems (newest first), then low free space; [] when all is well."""
+    now = time.time()
+    sources = [(f"group {g['group']}", run.storage_file(g["group"])) for g in groups]
+    if exchange:
+        sources.append(("applier", run.exchange_dir(job) / "applier" / REPORT_FILE))
+    out = []
+    for where, path in sources:
+        report = read_report(path)
+        if report is None:
+            continue
+        if report.get("unreadable"):
+            out.append({"where": where, "what": "storage report", "error": f"{path} is unreadable",
+                        "count": None, "age_s": None, "detail": ""})
+            continue
+        problems = report.get("problems")
+        for what, p in (problems.items() if isinstance(problems, dict) else []):
+            if not isinstance(p, dict):
+                continue
+            last = p.get("last")
+            out.append({"where": where, "what": what, "error": p.get("error", ""), "count": p.get("count"),
+                        "age_s": now - last if isinstance(last, (int, float)) else None,
+                        "since_s": now - p["first"] if isinstance(p.get("first"), (int, float)) else None,
+                        "detail": p.get("detail", ""), "path": p.get("path", "")})
+    reported = {(w["where"], w["what"]) for w in out}
+    for g in groups:  # a root's metrics say updates wait in its memory, its report may not
+        held = g.get("unpublished")
+        if held and (f"group {g['group']}", "exchange publish") not in reported:
+            out.append({"where": f"group {g['group']}", "what": "exchange publish",
+                        "error": f"{held} updates not yet published (held in memory)", "count": None,
+                        "age_s": g.get("last_report_age_s"), "detail": ""})
+    out.sort(key=lambda w: w["age_s"] if w["age_s"] is not None else float("inf"))
+    seen = set()
+    for path in [run.root] + ([run.exchange_dir(job)] if exchange else []):
+        try:
+            dev = path.stat().st_dev
+        except OSError:
+            continue
+        if dev in seen:
+            continue
+        seen.add(dev)
+        warning = low_space(path)
+        if warning:
+            out.append({"where": "file system", "what": "free space", "error": warning, "count": None,
+                        "age_s": 0.0, "detail": ""})
+    return out
 
 
 def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:

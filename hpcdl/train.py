@@ -25,6 +25,7 @@ import tensorflow as tf
 from hpcdl.config import Job
 from hpcdl.optim import make_optimizer
 from hpcdl.runs import append_jsonl, write_json_atomic
+from hpcdl.storage import attempt, report_beside, save_checkpoint
 
 MANIFEST = "manifest.json"
 
@@ -172,21 +173,26 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             }
             if exchange:
                 last.update(sync.stats())
-            append_jsonl(paths.metrics, last)
+            # A full disk or quota is recorded (hpcdl status shows it) and training goes on.
+            attempt(report_beside(paths.state), "metrics", append_jsonl, paths.metrics, last)
             with writer.as_default(step=current):
                 for key in ("loss", "images_per_s", "flops_per_s_group"):
                     tf.summary.scalar(key, last[key])
-            write_json_atomic(paths.state, {"state": "running", **last})
+            attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
+                    {"state": "running", **last})
             window_start, window_steps = time.perf_counter(), 0
         if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
-            manager.save(checkpoint_number=current)
+            # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.
+            save_checkpoint(report_beside(paths.state), lambda: manager.save(checkpoint_number=current),
+                            paths.checkpoints, current)
         if stopped:
             break
 
     if rank == 0:
         writer.flush()
         final = last or {"step": int(step.numpy()), **(report or {})}
-        write_json_atomic(paths.state, {"state": "stopped" if stopped else "finished", **final})
+        attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
+                {"state": "stopped" if stopped else "finished", **final})
     return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
 
 

@@ -75,11 +75,15 @@ def serve_applier(run: RunDir, job) -> int:
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier
-    from hpcdl.exchange import Channel
+    from hpcdl.hybrid import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     x = job.exchange
-    channel = Channel(run.exchange_dir(job), run.run_id)
+    try:
+        channel = run_channel(run, job)  # the run's key and access policy
+    except ValueError as exc:  # RunError: no sound run.key
+        print(f"hpcdl applier: {exc}", file=sys.stderr)
+        return 1
     try:
         applier = Applier(channel, x.optimizer, x.learning_rate, max_staleness=x.max_staleness,
                           stale_policy=x.stale_policy, keep_versions=x.keep_versions)
@@ -111,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: stop.update(requested=True))
     run = RunDir(args.run_dir)
     job = run.load_job()
+    os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)
     if args.rendezvous:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         return serve_rendezvous(run, job, args.port_file)

@@ -183,7 +183,9 @@ def entry(name="w", dtype="<f8", shape=(4,), offset=0, nbytes=None) -> dict:
 
 LIES = {
     "huge shape": (base_header(tensors=[entry(shape=(1 << 30, 1 << 30))]), b"\0" * 32,
-                   "outside"),
+                   "bad shape|outside"),
+    "huge empty shape": (base_header(tensors=[entry(shape=(0, 1 << 31, 1 << 31), nbytes=0)]),
+                         b"\0" * 32, "bad shape"),
     "nbytes vs shape": (base_header(tensors=[entry(shape=(4,), nbytes=16)]), b"\0" * 32,
                         "nbytes"),
     "offset out of range": (base_header(tensors=[entry(offset=8)]), b"\0" * 32, "outside"),

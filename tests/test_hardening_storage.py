@@ -1,0 +1,519 @@
+"""Full disk and quota (issue 7, part 2): a publish or checkpoint that fails with ENOSPC/EDQUOT
+leaves no partial file, keeps the previous good version, shows in `hpcdl status`, and training
+goes on.
+
+Where the sandbox allows it (root, tmpfs), the disk is really full: a tiny tmpfs is mounted for
+the test. Otherwise, and in addition, the error is injected (an OSError / TensorFlow error raised
+from inside the write)."""
+
+from __future__ import annotations
+
+import errno
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcdl import exchange as ex
+from hpcdl.applier import Applier
+from hpcdl.config import load_job
+from hpcdl.exchange import Channel
+from hpcdl.hybrid import ExchangeSync
+from hpcdl.runs import RunDir, append_jsonl, create_run, read_jsonl, write_json_atomic
+from hpcdl.storage import (
+    REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
+    storage_report,
+)
+from tests.conftest import REPO, tiny_overrides
+
+ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def small_fs(path: Path, size_kib: int) -> Path | None:
+    """Mount a tmpfs of `size_kib` KiB at `path`; None where that is not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return None
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(path)],
+                       capture_output=True)
+    return path if r.returncode == 0 else None
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A factory of tiny tmpfs mounts, unmounted at the end; skips when mounting is impossible."""
+    mounted = []
+
+    def make(name: str, size_kib: int) -> Path:
+        p = small_fs(tmp_path / name, size_kib)
+        if p is None:
+            pytest.skip("cannot mount a tmpfs here (not root, or no permission): injected-error tests cover this")
+        mounted.append(p)
+        return p
+
+    yield make
+    for p in mounted:
+        subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+def fill(fs: Path, leave: int = 0) -> Path:
+    """Fill the file system at `fs` until at most `leave` bytes are free."""
+    filler = fs / "filler"
+    with open(filler, "ab") as f:
+        while True:
+            st = os.statvfs(fs)
+            free = st.f_bavail * st.f_frsize
+            if free <= leave:
+                break
+            try:
+                f.write(b"\0" * min(free - leave, 1 << 20))
+                f.flush()
+            except OSError:
+                break
+    return filler
+
+
+def temporaries(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.name.startswith(".tmp")]
+
+
+def problems(path: Path) -> dict:
+    return (read_report(path) or {}).get("problems", {})
+
+
+W = {"w": np.ones(64 << 10, np.float32)}  # 256 KiB
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+# ----------------------------------------------------------------------------------------------
+
+
+def test_is_storage_full_recognises_errno_and_tensorflow_messages():
+    assert is_storage_full(OSError(errno.ENOSPC, "x"))
+    assert is_storage_full(OSError(errno.EDQUOT, "x"))
+    assert not is_storage_full(OSError(errno.EIO, "x"))
+    assert is_storage_full(RuntimeError("SaveV2 ... /c/ckpt-2_temp/part: No space left on device"))
+    assert is_storage_full(RuntimeError("Disk quota exceeded"))
+    try:
+        try:
+            raise ENOSPC
+        except OSError as e:
+            raise ValueError("wrapped") from e
+    except ValueError as e:
+        assert is_storage_full(e)
+    assert not is_storage_full(ValueError("bad value"))
+
+
+def test_report_is_fixed_size_and_rewritten_in_place(tmp_path):
+    report = StorageReport(tmp_path / REPORT_FILE)
+    assert (tmp_path / REPORT_FILE).stat().st_size == REPORT_SIZE
+    ino = (tmp_path / REPORT_FILE).stat().st_ino
+    for i in range(200):  # many problems with long messages: still one block, still JSON
+        report.failed(f"thing {i}", OSError(errno.ENOSPC, "No space left on device " + "x" * 300))
+    assert (tmp_path / REPORT_FILE).stat().st_size == REPORT_SIZE
+    assert (tmp_path / REPORT_FILE).stat().st_ino == ino
+    doc = read_report(tmp_path / REPORT_FILE)
+    assert doc["problems"] and "thing 199" in doc["problems"]
+    report.succeeded("thing 199")
+    doc = read_report(tmp_path / REPORT_FILE)
+    assert "thing 199" not in doc["problems"]
+
+
+def test_report_can_be_written_on_a_full_disk(tiny_fs):
+    fs = tiny_fs("full", 256)
+    report = StorageReport(fs / REPORT_FILE)  # reserved while there is space
+    fill(fs)
+    with pytest.raises(OSError) as info:
+        (fs / "more").write_bytes(b"x" * 8192)
+    assert info.value.errno == errno.ENOSPC
+    report.failed("metrics", info.value)
+    assert problems(fs / REPORT_FILE)["metrics"]["errno"] == errno.ENOSPC
+
+
+def test_attempt_records_storage_errors_and_raises_others(tmp_path):
+    report = StorageReport(tmp_path / REPORT_FILE)
+
+    def boom(exc):
+        raise exc
+
+    assert attempt(report, "metrics", boom, ENOSPC) is False
+    assert problems(tmp_path / REPORT_FILE)["metrics"]["count"] == 1
+    with pytest.raises(OSError):
+        attempt(report, "metrics", boom, OSError(errno.EIO, "io"))
+    with pytest.raises(KeyError):
+        attempt(report, "metrics", boom, KeyError("bug"))
+    assert attempt(report, "metrics", lambda: None) is True
+    assert problems(tmp_path / REPORT_FILE) == {}
+    assert read_report(tmp_path / REPORT_FILE)["recovered"]["metrics"]["count"] == 1
+
+
+def test_metrics_and_state_writes_on_a_full_disk(tiny_fs):
+    fs = tiny_fs("grp", 64)
+    write_json_atomic(fs / "state.json", {"step": 1})
+    append_jsonl(fs / "metrics.jsonl", {"step": 1})
+    filler = fill(fs, leave=0)
+    big = {"step": 2, "pad": "x" * 20000}
+    with pytest.raises(OSError) as info:
+        append_jsonl(fs / "metrics.jsonl", big)
+    assert info.value.errno == errno.ENOSPC
+    with pytest.raises(OSError):
+        write_json_atomic(fs / "state.json", big)
+    assert json.loads((fs / "state.json").read_text()) == {"step": 1}  # the previous version
+    assert read_jsonl(fs / "metrics.jsonl") == [{"step": 1}]
+    assert (fs / "metrics.jsonl").read_bytes().endswith(b"\n")  # no torn line left behind
+    assert temporaries(fs) == []
+    filler.unlink()
+    append_jsonl(fs / "metrics.jsonl", {"step": 3})
+    assert read_jsonl(fs / "metrics.jsonl") == [{"step": 1}, {"step": 3}]
+
+
+def test_metrics_append_cut_back_after_an_injected_short_write(tmp_path, monkeypatch):
+    path = tmp_path / "metrics.jsonl"
+    append_jsonl(path, {"step": 1})
+    real_write = os.write
+
+    def short(fd, data):
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith("metrics.jsonl"):
+            return real_write(fd, data)
+        return real_write(fd, bytes(data)[:7])  # a partial line, then the disk is full
+
+    monkeypatch.setattr("hpcdl.runs.os.write", short)
+    with pytest.raises(OSError) as info:
+        append_jsonl(path, {"step": 2})
+    assert info.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    append_jsonl(path, {"step": 3})
+    assert read_jsonl(path) == [{"step": 1}, {"step": 3}]
+
+
+# ----------------------------------------------------------------------------------------------
+# exchange publish
+# ----------------------------------------------------------------------------------------------
+
+
+def check_publish_failure_keeps_everything(ch: Channel, sync: ExchangeSync, report_path: Path,
+                                           make_room, break_disk) -> None:
+    for step in (1, 2):
+        sync.after_step(step, lambda: W)
+    assert sync.seq == 2 and ch.backlog(0) == 2
+    break_disk()
+    for step in (3, 4, 5):
+        assert sync.after_step(step, lambda s=step: {"w": np.full(64 << 10, s, np.float32)}) is None
+    # nothing partial, the published updates intact, the new ones held in memory
+    assert temporaries(ch.root) == []
+    assert sorted(r.seq for r in ch.pending_updates()) == [0, 1]
+    for ref in ch.pending_updates():
+        ch.read_update(ref)
+    assert len(sync.unpublished) == 3 and sync.publish_failures == 3
+    stats = sync.stats()
+    assert stats["exchange_unpublished"] == 3 and stats["exchange_publish_failures"] == 3
+    p = problems(report_path)["exchange publish"]
+    assert p["count"] == 3 and "3 updates held" in p["detail"]
+    make_room()
+    sync.after_step(6, lambda: {"w": np.full(64 << 10, 6, np.float32)})
+    # published in order with contiguous sequence numbers: the ledger will see no gap
+    refs = sorted(ch.pending_updates(), key=lambda r: r.seq)
+    assert [r.seq for r in refs] == [0, 1, 2, 3, 4, 5]
+    assert [float(ch.read_update(r).tensors["w"][0]) for r in refs[2:]] == [3.0, 4.0, 5.0, 6.0]
+    assert not sync.unpublished and problems(report_path) == {}
+    assert read_report(report_path)["recovered"]["exchange publish"]["count"] == 3
+
+
+def test_publish_on_a_full_tmpfs(tiny_fs, tmp_path):
+    fs = tiny_fs("xch", 2048)
+    ch = Channel(fs / "x", "run", max_pending_per_group=100, fsync=False)
+    report_path = tmp_path / REPORT_FILE
+    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
+    state = {}
+    check_publish_failure_keeps_everything(
+        ch, sync, report_path, make_room=lambda: state["filler"].unlink(),
+        break_disk=lambda: state.update(filler=fill(fs, leave=100 << 10)))
+
+
+def test_publish_with_an_injected_enospc_at_fsync(tmp_path, monkeypatch):
+    """The late failure: the data were buffered and the disk filled up before fsync."""
+    ch = Channel(tmp_path / "x", "run", max_pending_per_group=100)
+    report_path = tmp_path / REPORT_FILE
+    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
+    real_fsync = os.fsync
+
+    def broken(fd):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    check_publish_failure_keeps_everything(
+        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(ex.os, "fsync", real_fsync),
+        break_disk=lambda: monkeypatch.setattr(ex.os, "fsync", broken))
+
+
+def test_held_updates_are_bounded(tmp_path, monkeypatch):
+    ch = Channel(tmp_path / "x", "run", max_pending_per_group=2)
+    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0)
+
+    def broken(*a, **k):
+        raise OSError(errno.ENOSPC, "full")
+
+    monkeypatch.setattr(ch, "publish_update", broken)
+    for step in range(1, 11):
+        sync.after_step(step, lambda: W)
+    assert len(sync.unpublished) == 2 and sync.unpublished_dropped == 8
+    monkeypatch.setattr(ch, "publish_update", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
+    with pytest.raises(OSError):  # anything but a full disk is not hidden
+        sync.after_step(11, lambda: W)
+
+
+# ----------------------------------------------------------------------------------------------
+# the applier
+# ----------------------------------------------------------------------------------------------
+
+
+def grad(seq):
+    return {"w": np.full(8, float(seq + 1))}
+
+
+def run_applier_through_full_disk(ch: Channel, break_disk, make_room, frozen: bool = True) -> Applier:
+    app = Applier(ch, "sgd", 1.0, initial={"w": np.zeros(8)}, max_batch=4)
+    for s in range(4):
+        ch.publish_update(0, s, 0, grad(s))
+    assert app.step() == 4  # one good commit: version 4
+    for s in range(4, 12):
+        ch.publish_update(0, s, 0, grad(s))
+    break_disk()
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        if calls["n"] == 6:
+            doc = read_report(ch.applier_dir / REPORT_FILE)
+            assert "applier commit" in doc["problems"] or "applier commit" in doc["recovered"]
+            if frozen:  # nothing durable changed while the disk was full
+                assert app.ch.read_latest_weights()[0] == 4
+            assert temporaries(ch.root) == []
+            make_room()
+        return calls["n"] > 6 and ch.backlog() == 0
+
+    app.run(poll_interval=0.01, stop=stop)
+    return app
+
+
+def check_applier_after(ch: Channel, app: Applier) -> None:
+    assert app.version == 12 and app.counts["applied"] == 12
+    np.testing.assert_array_equal(app.weights["w"], -np.full(8, sum(range(1, 13)), float))
+    evs = [json.loads(l) for l in ch.events_path.read_text().splitlines()]
+    applied = [(e["group"], e["seq"]) for e in evs if e["event"] == "applied"]
+    assert sorted(applied) == [(0, s) for s in range(12)]  # each once: none lost, none twice
+    ids = [e["event_id"] for e in evs]
+    assert ids == sorted(set(ids))
+    assert problems(ch.applier_dir / REPORT_FILE) == {}
+    app.close()
+
+
+def test_applier_on_a_full_tmpfs(tiny_fs):
+    fs = tiny_fs("app", 1024)
+    ch = Channel(fs / "x", "run", fsync=False)
+    state = {}
+    app = run_applier_through_full_disk(ch, break_disk=lambda: state.update(f=fill(fs)),
+                                        make_room=lambda: state["f"].unlink())
+    check_applier_after(ch, app)
+
+
+def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
+    ch = Channel(tmp_path / "x", "run", fsync=False)
+    import hpcdl.applier as ap
+
+    real_write = ap.os.write
+    real_write_file = ap.write_file
+
+    def half_write(fd, data):  # events.jsonl: part of the batch's lines, then full
+        real_write(fd, bytes(data)[: max(1, len(data) // 2)])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def no_state(*a, **k):
+        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    flip = {"n": 0}
+
+    def broken_write(fd, data):
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith("events.jsonl"):
+            return real_write(fd, data)
+        flip["n"] += 1
+        return half_write(fd, data) if flip["n"] % 2 else real_write(fd, data)
+
+    def breaking():
+        monkeypatch.setattr(ap.os, "write", broken_write)
+
+    def healing():
+        monkeypatch.setattr(ap.os, "write", real_write)
+        monkeypatch.setattr(ap, "write_file", real_write_file)
+
+    app = run_applier_through_full_disk(ch, break_disk=breaking, make_room=healing, frozen=False)
+    check_applier_after(ch, app)
+    # and a state write that fails: the old state stays, nothing is applied twice
+    monkeypatch.setattr(ap, "write_file", no_state)
+    app = Applier(ch, "sgd", 1.0)
+    ch.publish_update(0, 12, 0, grad(12))
+    with pytest.raises(OSError):
+        app.step()
+    monkeypatch.setattr(ap, "write_file", real_write_file)
+    app.close()
+    app = Applier(ch, "sgd", 1.0)
+    assert app.version == 12
+    while app.step():
+        pass
+    assert app.version == 13 and app.counts["applied"] == 13
+    app.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints (real TensorFlow checkpoints)
+# ----------------------------------------------------------------------------------------------
+
+
+def tf_manager(directory: Path, keep: int = 1):
+    import tensorflow as tf
+
+    v = tf.Variable(np.arange(64 << 10, dtype=np.float32))  # 256 KiB
+    ckpt = tf.train.Checkpoint(v=v)
+    return v, ckpt, tf.train.CheckpointManager(ckpt, str(directory), keep)
+
+
+def check_restorable(directory: Path, number: int, value: float) -> None:
+    import tensorflow as tf
+
+    v = tf.Variable(np.zeros(64 << 10, np.float32))
+    tf.train.Checkpoint(v=v).restore(str(directory / f"ckpt-{number}")).assert_consumed()
+    assert float(v.numpy()[1]) == value
+
+
+def test_checkpoint_on_a_full_tmpfs(tiny_fs, tmp_path):
+    fs = tiny_fs("ckpt", 1024)
+    directory = fs / "c"
+    v, ckpt, manager = tf_manager(directory)
+    report = StorageReport(tmp_path / REPORT_FILE)
+    assert save_checkpoint(report, lambda: manager.save(checkpoint_number=10), directory, 10)
+    before = sorted(os.listdir(directory))
+    filler = fill(fs, leave=64 << 10)
+    v.assign_add(np.ones(64 << 10, np.float32))
+    assert not save_checkpoint(report, lambda: manager.save(checkpoint_number=20), directory, 20)
+    assert sorted(os.listdir(directory)) == before  # no ckpt-20 leftovers (TF leaves a _temp dir)
+    check_restorable(directory, 10, 1.0)
+    p = problems(tmp_path / REPORT_FILE)["checkpoint"]
+    assert "No space left" in p["error"] and "kept ckpt-10" in p["detail"]
+    filler.unlink()
+    assert save_checkpoint(report, lambda: manager.save(checkpoint_number=30), directory, 30)
+    check_restorable(directory, 30, 2.0)
+    assert problems(tmp_path / REPORT_FILE) == {}
+
+
+def test_checkpoint_with_an_injected_failure_after_partial_files(tmp_path):
+    import tensorflow as tf
+
+    directory = tmp_path / "c"
+    v, ckpt, manager = tf_manager(directory, keep=2)
+    report = StorageReport(tmp_path / REPORT_FILE)
+    assert save_checkpoint(report, lambda: manager.save(checkpoint_number=10), directory, 10)
+    before = sorted(os.listdir(directory))
+
+    def partial_then_full():
+        (directory / "ckpt-20_temp").mkdir()
+        (directory / "ckpt-20_temp" / "part-00000-of-00001.data-00000-of-00001.tempstate1").write_bytes(b"x")
+        (directory / "ckpt-20.index").write_bytes(b"half")
+        (directory / "checkpoint.tmp0123").write_bytes(b"model_checkpoint_path")
+        raise tf.errors.ResourceExhaustedError(None, None, "ckpt-20: Disk quota exceeded")
+
+    assert not save_checkpoint(report, partial_then_full, directory, 20)
+    assert sorted(os.listdir(directory)) == before
+    check_restorable(directory, 10, 1.0)
+    with pytest.raises(tf.errors.InvalidArgumentError):  # anything else still raises
+        save_checkpoint(report, lambda: (_ for _ in ()).throw(tf.errors.InvalidArgumentError(None, None, "bug")),
+                        directory, 30)
+
+
+TRAIN_SCRIPT = r"""
+import json, sys
+from pathlib import Path
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from hpcdl.config import load_job
+from hpcdl.train import GroupPaths, train_group
+from hpcdl.workloads import get_workload
+
+out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))
+real_save = tf.train.CheckpointManager.save
+def save(self, checkpoint_number=None, **kw):
+    if checkpoint_number in fail_at:  # the quota runs out in the middle of this checkpoint
+        (Path(self.directory) / f"ckpt-{checkpoint_number}_temp").mkdir()
+        (Path(self.directory) / f"ckpt-{checkpoint_number}.index").write_bytes(b"partial")
+        raise tf.errors.ResourceExhaustedError(None, None, "Disk quota exceeded")
+    return real_save(self, checkpoint_number=checkpoint_number, **kw)
+tf.train.CheckpointManager.save = save
+hvd.init()
+job = load_job("hep", overrides)
+workload = get_workload("hep")
+stats = workload.compute_stats(job)
+paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", ckdir.parent / "tb")
+result = train_group(job, workload, hvd, paths, stats, group=0, groups=1)
+print("STEPS", result.steps_run)
+"""
+
+
+def test_training_goes_on_through_failed_writes(hep_files, tmp_path, tiny_fs):
+    """A real (one-rank) group: checkpoint 20 fails half-way (injected quota error); the metrics and
+    state files sit on a really full tmpfs. Training finishes all steps, the other checkpoints are
+    fine, and the group's storage report says what failed."""
+    group_dir = tiny_fs("group", 64)
+    StorageReport(group_dir / REPORT_FILE).close()  # as create_run reserves it
+    fill(group_dir)
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=30)
+    proc = subprocess.run(
+        [sys.executable, "-c", TRAIN_SCRIPT, str(group_dir), str(tmp_path / "ckpt"), json.dumps(overrides),
+         json.dumps([20])],
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "STEPS 30" in proc.stdout
+    names = sorted(os.listdir(tmp_path / "ckpt"))
+    assert "ckpt-10.index" in names and "ckpt-30.index" in names
+    assert not any(n.startswith("ckpt-20") for n in names)
+    doc = read_report(group_dir / REPORT_FILE)
+    assert {"metrics", "state"} <= set(doc["problems"])
+    assert doc["recovered"]["checkpoint"]["count"] == 1  # failed at 20, fine again at 30
+    assert temporaries(group_dir) == []
+
+
+# ----------------------------------------------------------------------------------------------
+# hpcdl status shows it
+# ----------------------------------------------------------------------------------------------
+
+
+def test_status_shows_storage_problems(tmp_path):
+    from rich.console import Console
+
+    from hpcdl.display import status_view
+    from hpcdl.status import collect
+
+    job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.nodes=2", "run.group_size=1"])
+    with create_run(job, "local") as (_, run):
+        pass
+    quiet = collect(run, backend_view={})
+    assert [w for w in quiet["storage"] if w["where"] != "file system"] == []
+    storage_report(run.storage_file(1)).failed(
+        "checkpoint", OSError(errno.EDQUOT, "Disk quota exceeded [bad markup]"),
+        detail="step 20 not saved; kept ckpt-10")
+    ch = Channel(run.exchange_dir(job), run.run_id)
+    StorageReport(ch.applier_dir / REPORT_FILE).failed("applier commit", ENOSPC)
+    status = collect(run, backend_view={})
+    found = {(w["where"], w["what"]) for w in status["storage"]}
+    assert {("group 1", "checkpoint"), ("applier", "applier commit")} <= found
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(status_view(status))
+    text = console.export_text()
+    assert "storage problems" in text and "Disk quota exceeded [bad markup]" in text
+    assert "kept ckpt-10" in text and "No space left on device" in text
