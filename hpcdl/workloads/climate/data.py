@@ -39,11 +39,14 @@ import math
 import queue
 import threading
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 import h5py
 import numpy as np
+
+from hpcdl.workloads import common
 
 __all__ = [
     "CHANNELS", "CLASSES", "NUM_CLASSES", "MAX_BOXES", "DataError", "ClimateFile", "ClimateReader",
@@ -62,12 +65,12 @@ TMQ = CHANNELS.index("TMQ")
 TARGET_CHANNELS = 6
 
 
-class DataError(ValueError):
+class DataError(common.DataFileError):
     """A climate data file is missing, unreadable or not in the ExtremeWeather layout."""
 
 
-def _fail(path: Path, problem: str) -> DataError:
-    return DataError(f"{path}: {problem}")
+_fail = DataError.at
+_dataset = partial(common.h5_dataset, DataError, missing_hint="; expected the ExtremeWeather layout")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -95,18 +98,6 @@ class ClimateFile:
         return b[b[:, 4] >= 0]
 
 
-def _dataset(path: Path, f: h5py.File, key: str) -> h5py.Dataset:
-    if key not in f:
-        present = ", ".join(sorted(f.keys())) or "nothing"
-        raise _fail(path, f"missing dataset {key!r} (found: {present}); expected the ExtremeWeather layout")
-    obj = f[key]
-    if not isinstance(obj, h5py.Dataset):
-        raise _fail(path, f"{key!r} is a group, expected a dataset")
-    if obj.dtype.kind not in "biuf":
-        raise _fail(path, f"{key!r} has non-numeric dtype {obj.dtype}")
-    return obj
-
-
 def open_climate(path) -> ClimateFile:
     """Validate the ExtremeWeather layout of ``path``; reads shapes, boxes and labels, no images.
 
@@ -116,15 +107,7 @@ def open_climate(path) -> ClimateFile:
     boxes, or an empty file.
     """
     path = Path(path)
-    if not path.exists():
-        raise _fail(path, "no such file")
-    if not path.is_file():
-        raise _fail(path, "not a regular file")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        raise _fail(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {exc})") from None
-    with f:
+    with common.open_h5(DataError, path) as f:
         images = _dataset(path, f, "images")
         if images.ndim != 4:
             raise _fail(path, f"images has shape {images.shape}, expected (N, {len(CHANNELS)}, H, W)")
@@ -519,38 +502,20 @@ def iter_train_batches(path, batch: int, stats: Stats, cell: int, *, shard: int 
         return
     q: queue.Queue = queue.Queue(maxsize=prefetch)
 
-    def put(item) -> bool:
-        while not halt.is_set():
-            try:
-                q.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce():
-        try:
-            for item in _train_stream(*args, halt):
-                if not put(item):
-                    return
-        except BaseException as exc:  # handed to the consumer
-            put(exc)
-
-    thread = threading.Thread(target=produce, name=f"climate-prefetch-{shard}", daemon=True)
+    thread = threading.Thread(target=common.feed_queue, args=(_train_stream(*args, halt), q, halt),
+                              name=f"climate-prefetch-{shard}", daemon=True)
     thread.start()
     try:
         while True:
             item = q.get()
             if isinstance(item, BaseException):
                 raise item
+            if item is common.END:  # not reached: the training stream is endless
+                return
             yield item
     finally:
         halt.set()
-        while True:
-            try:
-                q.get_nowait()
-            except queue.Empty:
-                break
+        common.drain_queue(q)
 
 
 def iter_eval(path, stats: Stats, batch: int = 16, only_labelled: bool = True):

@@ -98,7 +98,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -107,11 +106,11 @@ import h5py
 import numpy as np
 
 from hpcdl.workloads.climate.data import CHANNELS, CLASSES, MAX_BOXES
+from hpcdl.workloads.common import SPLITS, check_seed, check_splits, is_int, write_splits
 
 __all__ = ["GeneratorConfig", "SPLITS", "generate", "simulate_image"]
 
 GENERATOR_VERSION = 1
-SPLITS = ("train", "val", "test")
 MIN_IMAGES = 10
 MIN_SIZE, MAX_SIZE = 16, 4096
 CHUNK_BYTES = 64 << 20
@@ -434,37 +433,17 @@ def simulate_image(rng: np.random.Generator, h: int, w: int, z_s: np.ndarray,
 # files
 
 
-def _split_sizes(images: int, fractions: Sequence[float]) -> Tuple[int, int, int]:
-    n_train = int(round(images * fractions[0]))
-    n_val = int(round(images * fractions[1]))
-    return n_train, n_val, images - n_train - n_val
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
-
 def _check_args(images, height, width, labelled_fraction, seed, fractions):
-    if not _is_int(images) or images < MIN_IMAGES:
+    if not is_int(images) or images < MIN_IMAGES:
         raise ValueError(f"images must be an integer >= {MIN_IMAGES}, got {images!r}")
     for name, v in (("height", height), ("width", width)):
-        if not _is_int(v) or not MIN_SIZE <= v <= MAX_SIZE:
+        if not is_int(v) or not MIN_SIZE <= v <= MAX_SIZE:
             raise ValueError(f"{name} must be an integer in [{MIN_SIZE}, {MAX_SIZE}], got {v!r}")
     lf = labelled_fraction
     if isinstance(lf, bool) or not isinstance(lf, (int, float)) or not 0.0 <= lf <= 1.0:
         raise ValueError(f"labelled_fraction must be in [0, 1], got {labelled_fraction!r}")
-    if not _is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    try:
-        fr = tuple(float(f) for f in fractions)
-    except (TypeError, ValueError):
-        raise ValueError(f"fractions must be three numbers (train, val, test), got {fractions!r}") from None
-    if len(fr) != 3 or not all(math.isfinite(f) and f >= 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
-        raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions!r}")
-    sizes = _split_sizes(images, fr)
-    if min(sizes) < 1:
-        raise ValueError(f"fractions {fr} of {images} images leave a split empty (train/val/test = {sizes})")
-    return fr, sizes
+    check_seed(seed)
+    return check_splits(images, fractions, "images")
 
 
 def _write_split(path: Path, name: str, split_index: int, n: int, h: int, w: int, seed: int,
@@ -525,8 +504,6 @@ def generate(
     Raises ValueError for bad arguments. Deterministic for given arguments.
     """
     fr, sizes = _check_args(images, height, width, labelled_fraction, seed, fractions)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     z_s = orography(seed, height, width, config.land_fraction)
     attrs = {
         "layout": "extremeweather",
@@ -540,16 +517,5 @@ def generate(
         "labelled_fraction": float(labelled_fraction),
         "config": config.to_json(),
     }
-    paths = {}
-    for i, (name, n) in enumerate(zip(SPLITS, sizes)):
-        final = out_dir / f"{name}.h5"
-        tmp = out_dir / f".{name}.h5.tmp-{os.getpid()}"
-        try:
-            _write_split(tmp, name, i, n, height, width, seed, float(labelled_fraction), z_s, config,
-                         attrs, progress)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        paths[name] = final
-    return paths
+    return write_splits(out_dir, sizes, lambda tmp, name, i, n: _write_split(
+        tmp, name, i, n, height, width, seed, float(labelled_fraction), z_s, config, attrs, progress))

@@ -13,15 +13,13 @@ with no true box in the evaluated images has no AP (None) and is left out of the
 
 from __future__ import annotations
 
-import os
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from hpcdl.workloads.climate.data import CLASSES, NUM_CLASSES
+from hpcdl.workloads.common import atomic_path, csv_lines, new_figure, save_png, table_format
 
 __all__ = ["iou", "nms", "average_precision", "detection_metrics", "plot_detections",
            "write_detections", "read_detections"]
@@ -136,18 +134,6 @@ def detection_metrics(detections: Sequence[np.ndarray], truths: Sequence[np.ndar
 # files
 
 
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path``, renamed onto it on success and removed on failure."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 _COLOURS = ("#00e5ff", "#ff3030", "#ff40ff", "#ffa000")  # TD, TC, ETC, AR
 
 
@@ -155,16 +141,12 @@ def plot_detections(path, field: np.ndarray, truth: np.ndarray, detections: np.n
                     title: str = "", min_score: float = 0.3, label: str = "TMQ (kg m$^{-2}$)") -> Path:
     """Write a PNG of ``field`` (h, w) — row 0 at the bottom (south) — with true boxes (solid) and
     detections with score ≥ ``min_score`` (dashed, labelled with class and score). Atomic write."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
     from matplotlib.patches import Rectangle
 
     path = Path(path)
     h, w = field.shape
-    fig = Figure(figsize=(8.0, 8.0 * h / w + 1.2), dpi=110)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = new_figure((8.0, 8.0 * h / w + 1.2), 110)
     im = ax.imshow(field, origin="lower", cmap="viridis", extent=(0, w, 0, h), interpolation="nearest")
     fig.colorbar(im, ax=ax, label=label, fraction=0.03, pad=0.02)
     for y0, x0, y1, x1, c in np.asarray(truth, np.float64).reshape(-1, 5):
@@ -185,20 +167,10 @@ def plot_detections(path, field: np.ndarray, truth: np.ndarray, detections: np.n
     ax.set_ylabel("y (latitude pixels)")
     if title:
         ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    with _atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", bbox_inches="tight")
-    return path
+    return save_png(fig, path, bbox_inches="tight")
 
 
 _CSV_HEADER = "image,ymin,xmin,ymax,xmax,class,score"
-
-
-def _format(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in (".npz", ".csv"):
-        raise ValueError(f"detections file must end in .npz or .csv, got {path.name!r}")
-    return suffix[1:]
 
 
 def write_detections(path, images: Sequence[int], detections: Sequence[np.ndarray]) -> Path:
@@ -209,13 +181,13 @@ def write_detections(path, images: Sequence[int], detections: Sequence[np.ndarra
     float32. ``.csv``: header ``image,ymin,xmin,ymax,xmax,class,score``, one detection per line.
     """
     path = Path(path)
-    fmt = _format(path)
+    fmt = table_format(path, "detections")
     if len(images) != len(detections):
         raise ValueError(f"{len(images)} image indices for {len(detections)} detection arrays")
     rows = [np.asarray(d, np.float32).reshape(-1, 6) for d in detections]
     image = np.concatenate([np.full(len(r), int(i), np.int64) for i, r in zip(images, rows)]) if rows else np.zeros(0, np.int64)
     table = np.concatenate(rows) if rows else np.zeros((0, 6), np.float32)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             if fmt == "npz":
                 np.savez(f, image=image, box=table[:, :4], **{"class": table[:, 4].astype(np.int8)},
@@ -230,14 +202,10 @@ def write_detections(path, images: Sequence[int], detections: Sequence[np.ndarra
 def read_detections(path) -> tuple[np.ndarray, np.ndarray]:
     """Read a :func:`write_detections` file back as ``(image (n,), rows (n, 6))``."""
     path = Path(path)
-    if _format(path) == "npz":
+    if table_format(path, "detections") == "npz":
         with np.load(path, allow_pickle=False) as d:
             rows = np.concatenate([d["box"], d["class"][:, None].astype(np.float32), d["score"][:, None]], axis=1)
             return d["image"].astype(np.int64), rows.astype(np.float32)
-    with open(path) as f:
-        header = f.readline().strip()
-        lines = [line for line in f if line.strip()]
-    if header != _CSV_HEADER:
-        raise ValueError(f"{path}: expected the header {_CSV_HEADER!r}, got {header!r}")
+    lines = csv_lines(path, _CSV_HEADER)
     table = np.loadtxt(lines, delimiter=",", ndmin=2, dtype=np.float64).reshape(-1, 7) if lines else np.zeros((0, 7))
     return table[:, 0].astype(np.int64), table[:, 1:].astype(np.float32)

@@ -38,11 +38,14 @@ import math
 import queue
 import threading
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import h5py
 import numpy as np
+
+from hpcdl.workloads import common
 
 __all__ = [
     "LAYOUT_BENCHMARK",
@@ -71,8 +74,12 @@ _NERSC_GROUP = "all_events"
 DEFAULT_CHUNK = 4096
 
 
-class DataError(ValueError):
+class DataError(common.DataFileError):
     """A HEP data file is missing, unreadable or does not have a layout this module understands."""
+
+
+_fail = DataError.at
+_dataset = partial(common.h5_dataset, DataError)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -103,22 +110,6 @@ class HepFile:
             return reader.read(start, stop)
 
 
-def _fail(path: Path, problem: str) -> DataError:
-    return DataError(f"{path}: {problem}")
-
-
-def _dataset(path: Path, group: h5py.Group, key: str, where: str) -> h5py.Dataset:
-    if key not in group:
-        present = ", ".join(sorted(group.keys())) or "nothing"
-        raise _fail(path, f"missing dataset {where}{key!r} (found: {present})")
-    obj = group[key]
-    if not isinstance(obj, h5py.Dataset):
-        raise _fail(path, f"{where}{key!r} is a group, expected a dataset")
-    if obj.dtype.kind not in "biuf":
-        raise _fail(path, f"{where}{key!r} has non-numeric dtype {obj.dtype}")
-    return obj
-
-
 def _check_per_event(path: Path, ds: Optional[h5py.Dataset], name: str, n: int) -> None:
     if ds is None:
         return
@@ -134,16 +125,7 @@ def open_hep(path) -> HepFile:
     disagreeing event counts or image sizes, or holds no events. Reads shapes only, no data.
     """
     path = Path(path)
-    if not path.exists():
-        raise _fail(path, "no such file")
-    if not path.is_file():
-        raise _fail(path, "not a regular file")
-    try:
-        f = h5py.File(path, "r")
-    except OSError as exc:
-        detail = " ".join(str(exc).split())  # h5py messages can span lines; keep ours to one
-        raise _fail(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {detail})") from None
-    with f:
+    with common.open_h5(DataError, path) as f:
         if _NERSC_GROUP in f:
             return _validate_nersc(path, f)
         if "data" in f:
@@ -477,20 +459,6 @@ class Normalization:
 # batch iteration
 
 
-_DONE = object()
-
-
-def _put(q: "queue.Queue", item, stop: threading.Event) -> bool:
-    """Put into the bounded queue unless asked to stop; False when stopping."""
-    while not stop.is_set():
-        try:
-            q.put(item, timeout=0.05)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
 def _chunk_stream(
     hep: HepFile,
     start: int,
@@ -529,18 +497,6 @@ def _chunk_stream(
                 yield epoch, b
             yield epoch, None
             epoch += 1
-
-
-def _producer(stream: Iterator, q: "queue.Queue", halt: threading.Event) -> None:
-    try:
-        for item in stream:
-            if not _put(q, item, halt):
-                return
-        _put(q, _DONE, halt)
-    except BaseException as exc:  # handed to the consumer, re-raised there
-        _put(q, exc, halt)
-    finally:
-        stream.close()
 
 
 def _concat(parts: list) -> Batch:
@@ -604,7 +560,7 @@ class BatchIterator:
             self._queue: Optional[queue.Queue] = queue.Queue(maxsize=prefetch)
             self._stream = None
             self._thread: Optional[threading.Thread] = threading.Thread(
-                target=_producer,
+                target=common.feed_queue,
                 args=(stream, self._queue, self._halt),
                 name=f"hep-prefetch-{hep.path.name}-r{rank}",
                 daemon=True,
@@ -617,7 +573,7 @@ class BatchIterator:
 
     def _next_chunk(self):
         if self._queue is None:
-            return next(self._stream, _DONE)
+            return next(self._stream, common.END)
         while True:
             try:
                 item = self._queue.get(timeout=0.1)
@@ -651,7 +607,7 @@ class BatchIterator:
             except BaseException:
                 self.close()
                 raise
-            if item is _DONE:
+            if item is common.END:
                 self.close()
                 raise StopIteration
             epoch, chunk = item
@@ -673,11 +629,7 @@ class BatchIterator:
         self._current = None
         self._pending = []
         if self._queue is not None:
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
+            common.drain_queue(self._queue)  # unblocks a producer waiting on a full queue
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5.0)
         if self._stream is not None:

@@ -104,7 +104,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence, Tuple
@@ -112,10 +111,11 @@ from typing import Callable, Dict, Optional, Sequence, Tuple
 import h5py
 import numpy as np
 
+from hpcdl.workloads.common import SPLITS, check_seed, check_splits, is_int, write_splits
+
 __all__ = ["GeneratorConfig", "SPLITS", "generate", "gluino_xsec_fb", "selection", "simulate"]
 
 GENERATOR_VERSION = 1
-SPLITS = ("train", "val", "test")
 ETA_MAX = 2.5
 MIN_EVENTS = 10
 MIN_IMAGE_SIZE = 8
@@ -602,35 +602,15 @@ def simulate(
 # files
 
 
-def _split_sizes(events: int, fractions: Sequence[float]) -> Tuple[int, int, int]:
-    n_train = int(round(events * fractions[0]))
-    n_val = int(round(events * fractions[1]))
-    return n_train, n_val, events - n_train - n_val
-
-
 def _check_args(events, image_size, seed, fractions, signal_fraction):
-    def is_int(v):
-        return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-
     if not is_int(events) or events < MIN_EVENTS:
         raise ValueError(f"events must be an integer >= {MIN_EVENTS}, got {events!r}")
     if not is_int(image_size) or not MIN_IMAGE_SIZE <= image_size <= MAX_IMAGE_SIZE:
         raise ValueError(
             f"image_size must be an integer in [{MIN_IMAGE_SIZE}, {MAX_IMAGE_SIZE}], got {image_size!r}"
         )
-    if not is_int(seed) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    try:
-        fr = tuple(float(f) for f in fractions)
-    except (TypeError, ValueError):
-        raise ValueError(f"fractions must be three numbers (train, val, test), got {fractions!r}") from None
-    if len(fr) != 3 or not all(math.isfinite(f) and f >= 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
-        raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions!r}")
-    sizes = _split_sizes(events, fr)
-    if min(sizes) < 1:
-        raise ValueError(
-            f"fractions {fr} of {events} events leave a split empty (train/val/test = {sizes})"
-        )
+    check_seed(seed)
+    fr, sizes = check_splits(events, fractions, "events")
     sf = signal_fraction
     if isinstance(sf, bool) or not isinstance(sf, (int, float)) or not 0.0 < sf < 1.0:
         raise ValueError(f"signal_fraction must be in (0, 1), got {signal_fraction!r}")
@@ -719,8 +699,6 @@ def generate(
     ValueError for bad arguments. Deterministic for given arguments.
     """
     fr, sizes = _check_args(events, image_size, seed, fractions, signal_fraction)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     attrs = {
         "layout": "nersc-rpv-susy",
         "generator": "hpcdl.workloads.hep.generate",
@@ -734,15 +712,5 @@ def generate(
         "phi_range": np.array([-np.pi, np.pi]),
         "config": config.to_json(),
     }
-    paths = {}
-    for i, (name, n) in enumerate(zip(SPLITS, sizes)):
-        final = out_dir / f"{name}.h5"
-        tmp = out_dir / f".{name}.h5.tmp-{os.getpid()}"
-        try:
-            _write_split(tmp, name, i, n, image_size, seed, float(signal_fraction), config, attrs, progress)
-            os.replace(tmp, final)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        paths[name] = final
-    return paths
+    return write_splits(out_dir, sizes, lambda tmp, name, i, n: _write_split(
+        tmp, name, i, n, image_size, seed, float(signal_fraction), config, attrs, progress))

@@ -33,13 +33,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import numpy as np
+
+from hpcdl.workloads.common import atomic_path, csv_lines, new_figure, save_png, table_format
 
 __all__ = [
     "HepMetrics",
@@ -306,26 +305,6 @@ def evaluate_scores(scores, labels, weights=None, passed_sr=None) -> HepMetrics:
 # files
 
 
-@contextmanager
-def _atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success rename it onto ``path``, else delete it.
-
-    The rename is atomic on POSIX, so readers (and a job killed mid-write) never see a partial file.
-    The file is created with mode 0666 minus the umask, like an ordinary ``open(path, "w")``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def plot_roc(
     path,
     scores,
@@ -343,19 +322,12 @@ def plot_roc(
     :func:`tpr_at_fpr` at the selection's FPR. The file is written to a temporary name and renamed,
     so no half-written PNG is ever left at ``path``.
     """
-    # Imported here so that the metrics import without matplotlib; the figure is drawn with the Agg
-    # canvas directly, so no display is needed and pyplot's global backend is left alone.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
     path = Path(path)
     s, y, w = _validate(scores, labels, weights)
     fpr, tpr, thr = _roc(s, y, w)
     auc = _auc(fpr, tpr)
 
-    fig = Figure(figsize=(6.4, 5.2), dpi=120)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
+    fig, ax = new_figure((6.4, 5.2), 120)  # matplotlib is imported only there
     pos = fpr > 0
     min_fpr = float(fpr[pos].min())
     # Start at the decade of the smallest non-zero FPR, but not below 1e-6: a few tiny-weight
@@ -396,21 +368,10 @@ def plot_roc(
     ax.set_title(title)
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-
-    with _atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png")
-    return path
+    return save_png(fig, path)
 
 
 _CSV_HEADER = "index,score,label,weight"
-
-
-def _scores_format(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix not in (".npz", ".csv"):
-        raise ValueError(f"scores file must end in .npz or .csv, got {path.name!r}")
-    return suffix[1:]
 
 
 def write_scores(path, index, scores, labels, weights=None) -> Path:
@@ -424,7 +385,7 @@ def write_scores(path, index, scores, labels, weights=None) -> Path:
     fine here (e.g. one shard of a test set). The write is atomic (temporary file + rename).
     """
     path = Path(path)
-    fmt = _scores_format(path)
+    fmt = table_format(path, "scores")
     idx = _as_1d("index", index, None)
     if not np.issubdtype(idx.dtype, np.integer):
         raise ValueError(f"index must be an integer array, got dtype {idx.dtype}")
@@ -432,7 +393,7 @@ def write_scores(path, index, scores, labels, weights=None) -> Path:
     if s.size != idx.size:
         raise ValueError(f"length mismatch: index has {idx.size} entries, scores has {s.size}")
     idx = idx.astype(np.int64)
-    with _atomic_path(path) as tmp:
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
             if fmt == "npz":
                 np.savez(f, index=idx, score=s, label=y.astype(np.int8), weight=w)
@@ -450,7 +411,7 @@ def read_scores(path) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     ``labels`` comes back as a bool array (True = signal).
     """
     path = Path(path)
-    fmt = _scores_format(path)
+    fmt = table_format(path, "scores")
     if fmt == "npz":
         with np.load(path, allow_pickle=False) as data:
             missing = {"index", "score", "label", "weight"} - set(data.files)
@@ -458,13 +419,10 @@ def read_scores(path) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
                 raise ValueError(f"{path}: not a scores file, missing array(s) {sorted(missing)}")
             idx, s, lab, w = data["index"], data["score"], data["label"], data["weight"]
     else:
-        with open(path) as f:
-            header = f.readline().strip()
-        if header != _CSV_HEADER:
-            raise ValueError(f"{path}: expected the header {_CSV_HEADER!r}, got {header!r}")
-        kw = dict(delimiter=",", skiprows=1, ndmin=1)
-        idx = np.loadtxt(path, usecols=0, dtype=np.int64, **kw)
-        lab = np.loadtxt(path, usecols=2, dtype=np.int64, **kw)
-        s = np.loadtxt(path, usecols=1, dtype=np.float64, **kw)
-        w = np.loadtxt(path, usecols=3, dtype=np.float64, **kw)
+        lines = csv_lines(path, _CSV_HEADER)
+        kw = dict(delimiter=",", ndmin=1)
+        idx = np.loadtxt(lines, usecols=0, dtype=np.int64, **kw)
+        lab = np.loadtxt(lines, usecols=2, dtype=np.int64, **kw)
+        s = np.loadtxt(lines, usecols=1, dtype=np.float64, **kw)
+        w = np.loadtxt(lines, usecols=3, dtype=np.float64, **kw)
     return idx.astype(np.int64), s.astype(np.float64), lab.astype(bool), w.astype(np.float64)

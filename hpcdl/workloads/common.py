@@ -1,0 +1,242 @@
+"""The chores the HEP and climate workloads both do, written once.
+
+This module owns, for :mod:`hpcdl.workloads.hep` and :mod:`hpcdl.workloads.climate` alike:
+
+* **data-file errors and HDF5 checks**: :class:`DataFileError`, the base of each workload's
+  ``DataError`` (one line, ``"<path>: <problem>"``); :func:`open_h5` (an existing, readable HDF5
+  file) and :func:`h5_dataset` (a numeric dataset that must be there);
+* **prefetch plumbing**: a producer thread feeding a bounded queue that stops when a ``halt``
+  event is set (:func:`feed_queue`, :func:`put_unless_halted`, :func:`drain_queue`, :data:`END`);
+* **the synthetic generators' arguments and files**: :func:`is_int`, :func:`check_seed`,
+  :func:`check_splits` (train/val/test fractions and the split sizes they give) and
+  :func:`write_splits` (``train.h5``, ``val.h5``, ``test.h5``, each written atomically);
+* **atomic output files**: :func:`atomic_path`; PNG figures (:func:`new_figure`,
+  :func:`save_png`); ``.npz``/``.csv`` result tables (:func:`table_format`, :func:`csv_lines`).
+
+What a workload means by its data (layouts, shapes, physics, metrics) stays in the workload; the
+messages here name what the caller passes in. h5py and matplotlib are imported only inside the
+functions that use them, so importing a workload's metrics needs neither.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import queue
+import threading
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Iterator, Sequence, Tuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import h5py
+
+# --------------------------------------------------------------------------------------------------
+# data files
+
+
+class DataFileError(ValueError):
+    """A data file is missing, unreadable or not in the layout its reader expects.
+
+    Each workload subclasses it as its ``DataError``; the message is one line naming the file.
+    """
+
+    @classmethod
+    def at(cls, path, problem: str) -> "DataFileError":
+        """The error ``"<path>: <problem>"`` (to be raised by the caller)."""
+        return cls(f"{path}: {problem}")
+
+
+def open_h5(error: type[DataFileError], path: Path) -> "h5py.File":
+    """``path`` open for reading; ``error`` if it is missing, not a regular file or not HDF5."""
+    import h5py
+
+    if not path.exists():
+        raise error.at(path, "no such file")
+    if not path.is_file():
+        raise error.at(path, "not a regular file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as exc:
+        detail = " ".join(str(exc).split())  # h5py messages can span lines; keep ours to one
+        raise error.at(path, f"not a readable HDF5 file ({exc.__class__.__name__}: {detail})") from None
+
+
+def h5_dataset(error: type[DataFileError], path: Path, group: "h5py.Group", key: str, where: str = "",
+               missing_hint: str = "") -> "h5py.Dataset":
+    """The numeric dataset ``group[key]``, else ``error``; ``where`` prefixes the key in messages
+    (e.g. ``"all_events/"``), ``missing_hint`` is appended when it is absent."""
+    import h5py
+
+    if key not in group:
+        present = ", ".join(sorted(group.keys())) or "nothing"
+        raise error.at(path, f"missing dataset {where}{key!r} (found: {present}){missing_hint}")
+    obj = group[key]
+    if not isinstance(obj, h5py.Dataset):
+        raise error.at(path, f"{where}{key!r} is a group, expected a dataset")
+    if obj.dtype.kind not in "biuf":
+        raise error.at(path, f"{where}{key!r} has non-numeric dtype {obj.dtype}")
+    return obj
+
+
+# --------------------------------------------------------------------------------------------------
+# prefetching
+
+#: Put by :func:`feed_queue` after the last item of a stream that ended.
+END = object()
+
+
+def put_unless_halted(q: "queue.Queue", item, halt: threading.Event) -> bool:
+    """Put into the bounded queue unless ``halt`` is set first; False when halted."""
+    while not halt.is_set():
+        try:
+            q.put(item, timeout=0.05)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+def feed_queue(stream: Generator, q: "queue.Queue", halt: threading.Event) -> None:
+    """A prefetch thread's body: the items of the generator ``stream`` into ``q``, then
+    :data:`END`; an exception the stream raises is put instead, for the consumer to re-raise.
+    Stops early on ``halt``, and closes ``stream`` in any case."""
+    try:
+        for item in stream:
+            if not put_unless_halted(q, item, halt):
+                return
+        put_unless_halted(q, END, halt)
+    except BaseException as exc:  # handed to the consumer, re-raised there
+        put_unless_halted(q, exc, halt)
+    finally:
+        stream.close()
+
+
+def drain_queue(q: "queue.Queue") -> None:
+    """Empty ``q`` without blocking (unblocks a producer waiting on a full queue)."""
+    while True:
+        try:
+            q.get_nowait()
+        except queue.Empty:
+            break
+
+
+# --------------------------------------------------------------------------------------------------
+# generator arguments and split files
+
+SPLITS = ("train", "val", "test")
+
+
+def is_int(v) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+def check_seed(seed) -> None:
+    if not is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+
+
+def split_sizes(total: int, fractions: Sequence[float]) -> Tuple[int, int, int]:
+    """``total`` items split (train, val, test) by ``fractions``; the test split takes the rest."""
+    n_train = int(round(total * fractions[0]))
+    n_val = int(round(total * fractions[1]))
+    return n_train, n_val, total - n_train - n_val
+
+
+def check_splits(total: int, fractions, noun: str) -> Tuple[Tuple[float, ...], Tuple[int, int, int]]:
+    """Validated ``fractions`` (three non-negative numbers summing to 1) and the split sizes of
+    ``total`` ``noun`` (e.g. "events") they give, none of them empty; ValueError otherwise."""
+    try:
+        fr = tuple(float(f) for f in fractions)
+    except (TypeError, ValueError):
+        raise ValueError(f"fractions must be three numbers (train, val, test), got {fractions!r}") from None
+    if len(fr) != 3 or not all(math.isfinite(f) and f >= 0 for f in fr) or abs(sum(fr) - 1.0) > 1e-6:
+        raise ValueError(f"fractions must be three non-negative numbers summing to 1, got {fractions!r}")
+    sizes = split_sizes(total, fr)
+    if min(sizes) < 1:
+        raise ValueError(f"fractions {fr} of {total} {noun} leave a split empty (train/val/test = {sizes})")
+    return fr, sizes
+
+
+def write_splits(out_dir, sizes: Sequence[int],
+                 write_split: Callable[[Path, str, int, int], None]) -> Dict[str, Path]:
+    """Write ``<out_dir>/<split>.h5`` for each of :data:`SPLITS`; returns ``{split: path}``.
+
+    ``write_split(tmp, name, index, n)`` writes split ``name`` (number ``index``, ``n`` items) to
+    the temporary ``tmp``, which is renamed into place when complete (see :func:`atomic_path`), so
+    a failure leaves any complete older file untouched. Creates ``out_dir`` if needed.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for i, (name, n) in enumerate(zip(SPLITS, sizes)):
+        final = out_dir / f"{name}.h5"
+        with atomic_path(final) as tmp:
+            write_split(tmp, name, i, n)
+        paths[name] = final
+    return paths
+
+
+# --------------------------------------------------------------------------------------------------
+# atomic output files
+
+
+@contextmanager
+def atomic_path(path: Path) -> Iterator[Path]:
+    """Yield a temporary path next to ``path``; on success rename it onto ``path``, else delete it.
+
+    The rename is atomic on POSIX, so readers (and a job killed mid-write) never see a partial file.
+    The file is created with mode 0666 minus the umask, like an ordinary ``open(path, "w")``.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def new_figure(figsize: Tuple[float, float], dpi: int) -> Tuple[Any, Any]:
+    """``(figure, axes)``: one subplot on the Agg canvas (no display needed, and pyplot's global
+    backend is left alone)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=dpi)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def save_png(fig, path: Path, **savefig_kw) -> Path:
+    """Lay ``fig`` out and write it to ``path`` as PNG, atomically; returns ``path``."""
+    fig.tight_layout()
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png", **savefig_kw)
+    return path
+
+
+def table_format(path: Path, what: str) -> str:
+    """``"npz"`` or ``"csv"`` from ``path``'s suffix (any case); ValueError naming ``what`` else."""
+    suffix = path.suffix.lower()
+    if suffix not in (".npz", ".csv"):
+        raise ValueError(f"{what} file must end in .npz or .csv, got {path.name!r}")
+    return suffix[1:]
+
+
+def csv_lines(path: Path, header: str) -> list:
+    """The non-blank data lines of the CSV file ``path``, after checking its first line is ``header``."""
+    with open(path) as f:
+        first = f.readline().strip()
+        lines = [line for line in f if line.strip()]
+    if first != header:
+        raise ValueError(f"{path}: expected the header {header!r}, got {first!r}")
+    return lines
