@@ -175,8 +175,10 @@ def _run_state(states: list[str]) -> str:
         return "finished"
     if any(s in ("running", "pending", "requeued", "configuring", "completing") for s in states):
         return "running"
-    if any(s in ("failed", "lost", "cancelled", "timeout", "node_fail") for s in states):
+    if any(s in ("failed", "lost", "timeout") for s in states):
         return "failed"
+    if "cancelled" in states:
+        return "cancelled"
     return states[0] if states else "unknown"
 
 
