@@ -80,4 +80,5 @@ def test_detached_run_can_be_watched_and_cancelled(hep_files, tmp_path):
     assert status["groups"][0]["state"] == "cancelled" and status["state"] == "cancelled"
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
-    assert hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout.strip() == "nothing running"
+    again = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout  # repeating is harmless
+    assert "nothing running" in again or "SIGTERM" in again
