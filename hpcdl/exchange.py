@@ -68,10 +68,12 @@ Validation by the reader, in this order, each failure raising :class:`CorruptFil
 version; header length bound; 56 + H + P equals the actual file size (so no allocation is ever
 sized from a lying header: the payload buffer is the real file's remaining size); header is UTF-8
 JSON with exactly the expected fields and types; names unique; dtypes in the allow-list; shapes are
-lists of non-negative ints; ``nbytes`` equals prod(shape) * itemsize; every ``[offset, offset +
+lists of at most 32 non-negative ints whose product (zeros counted as ones) is at most 2**48, so
+that numpy can hold them; ``nbytes`` equals prod(shape) * itemsize; every ``[offset, offset +
 nbytes)`` lies inside the payload and no two overlap; run id matches; the tag matches (constant-time
 comparison). For updates, weights and proposals the header's group / seq / version must also match
-the file name.
+the file name. A caller that knows how large a file can legitimately be passes ``max_bytes``
+(the applier does, for updates: see :mod:`hpcdl.applier`), checked before anything is read.
 
 Integrity versus authenticity: with ``Signer(key=None)`` the tag is a plain SHA-256 (it detects
 corruption, not forgery). ``Signer(key=b"...")`` switches every writer and reader of a Channel to
@@ -581,6 +583,7 @@ class Channel:
         self.fsync = fsync
         self.max_pending_per_group = max_pending_per_group
         self.dropped_backlog = 0  # updates this process deleted to keep the backlog bound
+        self.last_dropped: list[UpdateRef] = []  # those the last publish_update deleted
         self.updates_dir = self.root / "updates"
         self.weights_dir = self.root / "weights"
         self.init_dir = self.root / "init"
@@ -636,6 +639,7 @@ class Channel:
             raise ValueError("base_version must be an int >= -1 (-1: not from a master version)")
         path = self._write(self.updates_dir / update_name(group, seq), "update", tensors,
                            group=group, seq=seq, base_version=base_version)
+        self.last_dropped = []
         if self.max_pending_per_group is not None:
             mine = sorted((r for r in self.pending_updates() if r.group == group),
                           key=lambda r: r.seq)
@@ -645,6 +649,7 @@ class Channel:
                 except FileNotFoundError:
                     continue  # the applier got it first
                 self.dropped_backlog += 1
+                self.last_dropped.append(ref)
                 log.info("backlog bound %d: dropped pending update group %d seq %d",
                          self.max_pending_per_group, ref.group, ref.seq)
         return path
