@@ -122,16 +122,19 @@ class ExchangeConfig:
 class TuningConfig:
     """CPU settings applied before TensorFlow starts; 0 means derive from the cores a rank owns."""
 
-    intra_op_threads: int = 0
-    inter_op_threads: int = 2
+    intra_op_threads: int = 0  # 0: the cores a rank owns
+    inter_op_threads: int = 0  # 0: 2 when a rank owns >= 2 cores, else 1 (hpcdl.tuning)
     onednn: bool = True
     kmp_blocktime: int = 0
     kmp_affinity: str = "granularity=fine,compact,1,0"
+    precision: str = "float32"  # or "bfloat16" (where the CPU has AVX512_BF16/AMX-BF16)
 
     def validate(self) -> None:
         for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):
             if getattr(self, name) < 0:
                 raise JobError(f"tuning.{name} must be >= 0, got {getattr(self, name)}")
+        if self.precision not in ("float32", "bfloat16"):
+            raise JobError(f"tuning.precision must be float32 or bfloat16, got {self.precision!r}")
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""What this installation is: versions, Horovod's build, oneDNN, and the thread plan of a rank."""
+"""What this installation is: versions, Horovod's build, oneDNN, the CPU, and the thread plan of a
+rank — each setting with the reason it was chosen."""
 
 from __future__ import annotations
 
@@ -7,32 +8,72 @@ import platform
 from typing import Any
 
 from hpcdl.config import TuningConfig
-from hpcdl.tuning import cores_per_rank, plan_threads, usable_cores
+from hpcdl.tuning import (
+    affinity_cores,
+    cgroup_cpu_quota,
+    cores_per_rank,
+    loaded_openmp_runtimes,
+    onednn_enabled,
+    openblas_coretype,
+    plan_threads,
+    read_cpuinfo,
+    usable_cores,
+)
 
 
-def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1) -> dict[str, Any]:
+def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_task: bool = False) -> dict[str, Any]:
+    """A flat, ordered dict (rendered as a two-column table by the CLI, or as JSON).
+
+    `tuning` is a job's `[tuning]` section (default: the defaults); `ranks_on_host` how many ranks
+    would share this host.
+    """
     tuning = tuning or TuningConfig()
-    cores, why = cores_per_rank(os.environ, usable_cores(), ranks_on_host)
-    plan = plan_threads(tuning, cores, why)
-    os.environ.update(plan.environment(tuning))  # before TensorFlow loads, as a worker does
+    cpu = read_cpuinfo()
+    mask = affinity_cores()
+    quota = cgroup_cpu_quota()
+    usable = usable_cores(mask, quota)
+    cores, why = cores_per_rank(os.environ, usable, ranks_on_host, slurm_task=slurm_task)
+    plan = plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=cpu)
+    os.environ.update(plan.environment())  # before TensorFlow loads, as a worker does
     import h5py
     import numpy
     import tensorflow as tf
 
+    omp = loaded_openmp_runtimes()
+    onednn_live = onednn_enabled()
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "machine": platform.machine(),
         "tensorflow": tf.__version__,
         "numpy": numpy.__version__,
         "h5py": h5py.__version__,
-        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "1",
-        "usable_cores": usable_cores(),
+        "cpu_model": cpu.model,
+        "cpu_vector_isa": cpu.vector_isa,
+        "cpu_bfloat16": (f"yes ({', '.join(cpu.bf16_flags)})" if cpu.bf16
+                         else "no (no avx512_bf16 / amx_bf16 in /proc/cpuinfo)"),
+        "usable_cores": usable,
+        "usable_cores_why": (f"affinity mask {mask} CPUs" +
+                             (f", cgroup quota {quota:g} CPUs" if quota is not None else ", no cgroup quota")),
+        "ranks_on_host": ranks_on_host,
         "intra_op_threads": plan.intra_op,
+        "intra_op_why": plan.why("intra_op"),
         "inter_op_threads": plan.inter_op,
-        "threads_reason": plan.reason,
+        "inter_op_why": plan.why("inter_op"),
+        "onednn": plan.onednn,
+        "onednn_why": plan.why("onednn"),
+        "onednn_active": onednn_live,
+        "data_format": "NHWC (hpcdl's layers; oneDNN's native CPU input layout)",
+        "precision": plan.precision,
+        "precision_why": plan.why("precision"),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "KMP_AFFINITY": os.environ.get("KMP_AFFINITY"),
+        "KMP_AFFINITY_why": plan.why("kmp_affinity"),
         "KMP_BLOCKTIME": os.environ.get("KMP_BLOCKTIME"),
+        "openmp_runtime": (", ".join(omp) if omp else
+                           "none loaded (oneDNN runs on TensorFlow's thread pool: OMP_*/KMP_* "
+                           "only reach OpenMP-linked libraries)"),
     }
+    info.update(_numpy_blas(cpu))
     try:
         import horovod
         import horovod.tensorflow as hvd
@@ -46,3 +87,38 @@ def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1) -> dict[s
     except Exception as exc:  # a broken Horovod build is exactly what doctor must report
         info.update({"horovod": f"unusable: {exc}", "horovod_tensorflow": False})
     return info
+
+
+def _numpy_blas(cpu) -> dict[str, Any]:
+    """numpy's OpenBLAS kernel family, and a hint when its runtime detection fell back."""
+    core = openblas_core_in_use()
+    if core is None:
+        return {}
+    out: dict[str, Any] = {"numpy_openblas_core": core}
+    best = openblas_coretype(cpu)
+    if best and core.lower() in ("prescott", "core2", "nehalem", "atom", "barcelona", "katmai"):
+        out["numpy_openblas_hint"] = (f"OpenBLAS did not recognise this CPU; export "
+                                      f"OPENBLAS_CORETYPE={best} for numpy's BLAS (TensorFlow does "
+                                      f"not use it)")
+    return out
+
+
+def openblas_core_in_use() -> str | None:
+    """The kernel family numpy's bundled OpenBLAS picked, e.g. 'Haswell' (None: not OpenBLAS)."""
+    import ctypes
+    import glob
+
+    import numpy
+
+    libs_dir = os.path.join(os.path.dirname(os.path.dirname(numpy.__file__)), "numpy.libs")
+    for lib in sorted(glob.glob(os.path.join(libs_dir, "libopenblas*.so*"))):
+        try:
+            so = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for symbol in ("openblas_get_corename64_", "openblas_get_corename"):
+            fn = getattr(so, symbol, None)
+            if fn is not None:
+                fn.restype = ctypes.c_char_p
+                return fn().decode(errors="replace")
+    return None

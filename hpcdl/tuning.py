@@ -1,62 +1,319 @@
-"""CPU tuning for TensorFlow: threads, affinity and oneDNN, decided before TensorFlow starts.
+"""CPU tuning for TensorFlow: threads, affinity, oneDNN and precision, decided before TensorFlow starts.
 
-oneDNN and OpenMP read their settings once, when the library loads, so `environment()` must be
-applied to `os.environ` before `import tensorflow`; the intra/inter-op pools are set right after.
-Measured on a 2-core machine: oneDNN on and inter-op 2 beat oneDNN off (~1.5x) and inter-op 1.
+oneDNN reads `TF_ENABLE_ONEDNN_OPTS` once, when TensorFlow loads, so `ThreadPlan.environment()`
+must be applied to `os.environ` before `import tensorflow`; the intra/inter-op pools are set right
+after (`configure_tensorflow`). Every decision carries its reason, shown by `hpcdl doctor` and
+written to each rank's log; every one can be overridden in the job's `[tuning]` section.
+
+The rules (all pure functions below, tested in tests/test_tuning.py):
+
+* cores a rank owns: under `srun` with `--cpus-per-task`, SLURM_CPUS_PER_TASK (capped by the
+  CPUs the process may run on); otherwise the usable CPUs (affinity mask, capped by a cgroup CPU
+  quota) shared evenly by the ranks on this host, at least 1.
+* intra-op threads = those cores (one op's parallel loops fill the rank's cores).
+* inter-op threads: 2 when the rank owns 2 cores or more, else 1. Measured with `make bench` on a
+  2-core Xeon (Sapphire Rapids, KVM): the HEP step is about equally fast with 1 and 2 (within the
+  machine's noise); 2 lets the input pipeline's and Horovod's small ops overlap a convolution.
+* oneDNN on (TensorFlow's default on x86 Linux; off was ~1.5-2x slower on the HEP step here).
+* Data layout NHWC: hpcdl's layers are written NHWC, the layout oneDNN's CPU kernels take
+  directly (they reorder to blocked formats internally); nothing to choose at run time.
+* OpenMP variables: TensorFlow's pip wheels run oneDNN on TensorFlow's own thread pool and load no
+  OpenMP runtime, so OMP_NUM_THREADS / KMP_* do not steer TensorFlow's kernels; they are still set
+  (to the intra-op count) for OpenMP-linked libraries a rank may load (e.g. an MKL numpy, an
+  Intel TensorFlow build). KMP_AFFINITY's pinning is switched off when several ranks share one CPU
+  mask: "compact" would put every rank's threads on the same first cores.
+* precision: float32 unless the job asks for bfloat16 and the CPU has native bfloat16 arithmetic
+  (AVX512_BF16 or AMX-BF16 in /proc/cpuinfo); without it TensorFlow emulates bfloat16, which is
+  slower than float32, so the plan falls back to float32 and says so.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Mapping
 
 from hpcdl.config import TuningConfig
 
+#: CPU flags (as /proc/cpuinfo spells them) that give native bfloat16 arithmetic.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+# -- the CPU ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What /proc/cpuinfo says about the first CPU: its model name and feature flags."""
+
+    model: str = "unknown"
+    flags: frozenset[str] = frozenset()
+
+    @property
+    def bf16_flags(self) -> tuple[str, ...]:
+        return tuple(f for f in BF16_FLAGS if f in self.flags)
+
+    @property
+    def bf16(self) -> bool:
+        """Native bfloat16 arithmetic (AVX512_BF16 dot products or AMX-BF16 tiles)."""
+        return bool(self.bf16_flags)
+
+    @property
+    def vector_isa(self) -> str:
+        """The widest float SIMD the kernels can use: 'amx', 'avx512', 'avx2', 'sse'."""
+        if "amx_tile" in self.flags and "amx_bf16" in self.flags:
+            return "amx"
+        if {"avx512f", "avx512bw", "avx512vl"} <= self.flags:
+            return "avx512"
+        if {"avx2", "fma"} <= self.flags:
+            return "avx2"
+        return "sse"
+
+
+def parse_cpuinfo(text: str) -> CpuInfo:
+    """The model name and flags of the first processor block of a /proc/cpuinfo text."""
+    model, flags = "unknown", frozenset()
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if not sep:
+            if model != "unknown" and flags:
+                break  # end of the first processor block
+            continue
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip() or "unknown"
+        elif key in ("flags", "Features") and not flags:
+            flags = frozenset(value.split())
+    return CpuInfo(model=model, flags=flags)
+
+
+def read_cpuinfo(path: str | os.PathLike[str] = "/proc/cpuinfo") -> CpuInfo:
+    try:
+        return parse_cpuinfo(Path(path).read_text(errors="replace"))
+    except OSError:
+        return CpuInfo()
+
+
+def openblas_coretype(cpu: CpuInfo) -> str | None:
+    """The OpenBLAS kernel family for this CPU, for OPENBLAS_CORETYPE.
+
+    OpenBLAS's runtime detection (DYNAMIC_ARCH) falls back to its oldest x86-64 kernels
+    ('Prescott', SSE3) on CPUs newer than the build knows — numpy 1.26's OpenBLAS 0.3.23 does so
+    on Sapphire Rapids under KVM and runs sgemm ~7x below what the CPU does. Forcing the newest
+    family the flags allow fixes it. Only numpy uses OpenBLAS here (TensorFlow has oneDNN/Eigen).
+    """
+    if "avx512_bf16" in cpu.flags and {"avx512f", "avx512bw", "avx512vl"} <= cpu.flags:
+        return "Cooperlake"
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= cpu.flags:
+        return "SkylakeX"
+    if {"avx2", "fma"} <= cpu.flags:
+        return "Haswell"
+    return None
+
+
+# -- cores a rank owns -----------------------------------------------------------------------
+
+
+def parse_cgroup_quota(cpu_max: str | None = None, cfs_quota_us: str | None = None,
+                       cfs_period_us: str | None = None) -> float | None:
+    """CPUs a cgroup CPU quota allows (cgroup v2 `cpu.max`, or v1 quota/period); None: no quota."""
+    try:
+        if cpu_max is not None:
+            quota, _, period = cpu_max.strip().partition(" ")
+            if quota == "max":
+                return None
+            return int(quota) / int(period or "100000")
+        if cfs_quota_us is not None and cfs_period_us is not None:
+            quota_v1 = int(cfs_quota_us.strip())
+            return None if quota_v1 < 0 else quota_v1 / int(cfs_period_us.strip())
+    except ValueError:
+        return None
+    return None
+
+
+def cgroup_cpu_quota(root: str | os.PathLike[str] = "/sys/fs/cgroup") -> float | None:
+    root = Path(root)
+
+    def read(name: str) -> str | None:
+        try:
+            return (root / name).read_text()
+        except OSError:
+            return None
+
+    v2 = read("cpu.max")
+    if v2 is not None:
+        return parse_cgroup_quota(cpu_max=v2)
+    return parse_cgroup_quota(cfs_quota_us=read("cpu/cpu.cfs_quota_us") or read("cpu.cfs_quota_us"),
+                              cfs_period_us=read("cpu/cpu.cfs_period_us") or read("cpu.cfs_period_us"))
+
+
+def affinity_cores() -> int:
+    """CPUs this process may run on (its affinity mask)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def usable_cores(affinity: int | None = None, quota: float | None = None) -> int:
+    """CPUs this process can use: the affinity mask, capped by a cgroup CPU quota (at least 1).
+
+    Called with no arguments it reads both from the system.
+    """
+    if affinity is None:
+        affinity = affinity_cores()
+        quota = cgroup_cpu_quota()
+    cores = max(1, int(affinity))
+    if quota is not None and quota > 0:
+        cores = min(cores, max(1, int(quota)))  # a quota of 1.5 CPUs keeps 1 thread busy per core
+    return cores
+
+
+def cores_per_rank(env: Mapping[str, str], usable: int, ranks_on_host: int,
+                   slurm_task: bool = True) -> tuple[int, str]:
+    """Cores this rank owns, and why.
+
+    `usable`: CPUs this process may use (see `usable_cores`). Under `srun --cpus-per-task=c`
+    (`slurm_task`), SLURM gives each task its own c CPUs: c, capped by `usable`. Otherwise (the
+    local backend, or SLURM without --cpus-per-task) the ranks on this host share `usable` evenly;
+    an enclosing allocation's SLURM_CPUS_PER_TASK then is the share of the whole supervisor.
+    """
+    ranks = max(1, int(ranks_on_host))
+    usable = max(1, int(usable))
+    c = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    if slurm_task and c.isdigit() and int(c) > 0:
+        cpt = int(c)
+        if cpt > usable:
+            return usable, f"SLURM_CPUS_PER_TASK={cpt}, but this process may use only {usable} CPUs"
+        return cpt, f"SLURM_CPUS_PER_TASK={cpt}"
+    share = max(1, usable // ranks)
+    why = f"{usable} usable cores / {ranks} rank(s) on this host"
+    if ranks > usable:
+        why += f" (oversubscribed: {ranks} ranks share {usable} cores)"
+    return share, why
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ThreadPlan:
-    """What one rank uses, and why (shown by `hpcdl doctor`)."""
+    """What one rank uses, and why (shown by `hpcdl doctor`, logged by each rank)."""
 
     cores: int
     intra_op: int
     inter_op: int
     onednn: bool
-    reason: str
+    precision: str = "float32"
+    kmp_blocktime: int = 0
+    kmp_affinity: str = "granularity=fine,compact,1,0"
+    reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
-    def environment(self, tuning: TuningConfig) -> dict[str, str]:
+    @property
+    def reason(self) -> str:
+        """All reasons on one line: `intra_op: ...; inter_op: ...`."""
+        return "; ".join(f"{k}: {v}" for k, v in self.reasons)
+
+    def why(self, key: str) -> str:
+        return dict(self.reasons).get(key, "")
+
+    def environment(self, tuning: TuningConfig | None = None) -> dict[str, str]:
+        """Variables to put in os.environ before TensorFlow loads. (`tuning` is not needed any
+        more: the plan carries every value; accepted for old callers.)"""
         return {
+            # Read by OpenMP runtimes and by OpenBLAS (numpy); TensorFlow's wheels load none.
             "OMP_NUM_THREADS": str(self.intra_op),
-            "KMP_BLOCKTIME": str(tuning.kmp_blocktime),
-            "KMP_AFFINITY": tuning.kmp_affinity,
+            "KMP_BLOCKTIME": str(self.kmp_blocktime),
+            "KMP_AFFINITY": self.kmp_affinity,
             "TF_ENABLE_ONEDNN_OPTS": "1" if self.onednn else "0",
+            # Read by TensorFlow when it creates its thread pools (configure_tensorflow sets the
+            # same values through tf.config, which wins if TensorFlow was already imported).
             "TF_NUM_INTRAOP_THREADS": str(self.intra_op),
             "TF_NUM_INTEROP_THREADS": str(self.inter_op),
             # TensorFlow's C++ INFO lines are noise on every rank of a thousand-node run.
             "TF_CPP_MIN_LOG_LEVEL": os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1"),
         }
 
-
-def cores_per_rank(env: Mapping[str, str], affinity: int, ranks_on_host: int) -> tuple[int, str]:
-    """Cores this rank owns: SLURM's --cpus-per-task if set, else an even share of the host."""
-    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
-        return int(env["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
-    share = max(1, affinity // max(1, ranks_on_host))
-    return share, f"{affinity} usable cores / {ranks_on_host} rank(s) on this host"
+    def describe(self) -> str:
+        """One line for a rank's log."""
+        return (f"threads: intra-op {self.intra_op}, inter-op {self.inter_op} on {self.cores} core(s); "
+                f"oneDNN {'on' if self.onednn else 'off'}; {self.precision}; KMP_AFFINITY="
+                f"{self.kmp_affinity} — {self.reason}")
 
 
-def plan_threads(tuning: TuningConfig, cores: int, why: str) -> ThreadPlan:
-    intra = tuning.intra_op_threads or cores
-    source = "job" if tuning.intra_op_threads else why
-    return ThreadPlan(cores=cores, intra_op=intra, inter_op=tuning.inter_op_threads or 1,
-                      onednn=tuning.onednn, reason=f"intra-op from {source}")
+def _setting(tuning: TuningConfig, name: str) -> str:
+    """`tuning.x = v`, marked as the default or as set by the job."""
+    value = getattr(tuning, name)
+    origin = "default" if value == getattr(TuningConfig(), name) else "job"
+    shown = str(value).lower() if isinstance(value, bool) else value
+    return f"{origin}: tuning.{name} = {shown}"
 
 
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+def plan_inter_op(tuning: TuningConfig, cores: int) -> tuple[int, str]:
+    if tuning.inter_op_threads:
+        return tuning.inter_op_threads, _setting(tuning, "inter_op_threads")
+    if cores >= 2:
+        return 2, "2 when a rank owns >= 2 cores (make bench: 2 as fast as 1 or faster on the HEP step)"
+    return 1, "1: the rank owns one core"
+
+
+def plan_precision(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[str, str]:
+    wanted = getattr(tuning, "precision", "float32")
+    if wanted != "bfloat16":
+        return "float32", _setting(tuning, "precision")
+    if cpu is None:
+        return "bfloat16", f"{_setting(tuning, 'precision')} (CPU not checked)"
+    if cpu.bf16:
+        return "bfloat16", f"{_setting(tuning, 'precision')}; the CPU has {', '.join(cpu.bf16_flags)}"
+    return "float32", (f"{_setting(tuning, 'precision')}, but this CPU lacks AVX512_BF16/AMX-BF16 "
+                       "(bfloat16 would be emulated, slower than float32): float32")
+
+
+def plan_affinity(tuning: TuningConfig, cores: int, mask: int, ranks_on_host: int) -> tuple[str, str]:
+    """KMP_AFFINITY: the job's, unless ranks share one CPU mask (then pinning would stack them)."""
+    if ranks_on_host > 1 and mask > cores and tuning.kmp_affinity not in ("", "disabled", "none"):
+        return "disabled", (f"{ranks_on_host} ranks share one {mask}-CPU mask: '{tuning.kmp_affinity}' "
+                            "would pin every rank's threads to the same first cores")
+    return tuning.kmp_affinity, _setting(tuning, "kmp_affinity")
+
+
+def plan_threads(tuning: TuningConfig, cores: int, why: str, *, ranks_on_host: int = 1,
+                 mask: int | None = None, cpu: CpuInfo | None = None) -> ThreadPlan:
+    """The plan of one rank owning `cores` cores (`why`: where that number came from).
+
+    `mask`: CPUs in the process's affinity mask (default: `cores`); `cpu`: the CPU's flags, for
+    the bfloat16 check (None: not checked).
+    """
+    cores = max(1, int(cores))
+    if tuning.intra_op_threads:
+        intra, intra_why = tuning.intra_op_threads, _setting(tuning, "intra_op_threads")
+        if intra > cores:
+            intra_why += f" (more than the {cores} core(s) this rank owns: oversubscribed)"
+    else:
+        intra, intra_why = cores, f"cores this rank owns: {why}"
+    inter, inter_why = plan_inter_op(tuning, cores)
+    precision, precision_why = plan_precision(tuning, cpu)
+    affinity, affinity_why = plan_affinity(tuning, cores, mask if mask is not None else cores, ranks_on_host)
+    onednn_why = _setting(tuning, "onednn") + (" (oneDNN kernels, TensorFlow's default on x86)"
+                                               if tuning.onednn else " (Eigen kernels)")
+    return ThreadPlan(
+        cores=cores, intra_op=intra, inter_op=inter, onednn=tuning.onednn, precision=precision,
+        kmp_blocktime=tuning.kmp_blocktime, kmp_affinity=affinity,
+        reasons=(("intra_op", intra_why), ("inter_op", inter_why), ("onednn", onednn_why),
+                 ("precision", precision_why), ("kmp_affinity", affinity_why)),
+    )
+
+
+def plan_for_this_process(tuning: TuningConfig, ranks_on_host: int, env: Mapping[str, str] | None = None,
+                          slurm_task: bool = False) -> ThreadPlan:
+    """The plan of a rank started here: reads the affinity mask, cgroup quota and /proc/cpuinfo."""
+    env = os.environ if env is None else env
+    mask = affinity_cores()
+    usable = usable_cores(mask, cgroup_cpu_quota())
+    cores, why = cores_per_rank(env, usable, ranks_on_host, slurm_task=slurm_task)
+    return plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=read_cpuinfo())
 
 
 def configure_tensorflow(plan: ThreadPlan) -> None:
@@ -65,3 +322,45 @@ def configure_tensorflow(plan: ThreadPlan) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(plan.intra_op)
     tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op)
+
+
+def compute_dtype(plan_or_tuning) -> str:
+    """'bfloat16' or 'float32': the dtype a model should compute in (variables stay float32)."""
+    return getattr(plan_or_tuning, "precision", "float32")
+
+
+def onednn_enabled() -> bool | None:
+    """Whether the loaded TensorFlow runs oneDNN kernels (None: cannot tell). Imports TensorFlow."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except Exception:
+        return None
+
+
+def loaded_openmp_runtimes() -> list[str]:
+    """OpenMP runtimes mapped into this process (libgomp, libiomp5, libomp); Linux only."""
+    names = set()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1]
+                base = os.path.basename(path)
+                if base.startswith(("libgomp", "libiomp", "libomp")):
+                    names.add(base)
+    except OSError:
+        pass
+    return sorted(names)
+
+
+def dense_peak_estimate(cpu: CpuInfo, cores: int, ghz: float) -> float | None:
+    """A rough float32 FMA peak, FLOP/s: cores × GHz × FLOPs per cycle (2 FMA units assumed).
+
+    For orientation only (turbo, AVX-512 frequency licences and a hypervisor's steal all move it);
+    the bench's ratios use the measured sgemm instead.
+    """
+    per_cycle = {"amx": 64, "avx512": 64, "avx2": 32, "sse": 8}[cpu.vector_isa]
+    if ghz <= 0 or not math.isfinite(ghz):
+        return None
+    return cores * ghz * 1e9 * per_cycle

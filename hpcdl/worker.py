@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hpcdl.launch import RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
-from hpcdl.tuning import cores_per_rank, plan_threads, usable_cores
+from hpcdl.tuning import plan_for_this_process
 
 STATS_WAIT_S = 3600.0
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
@@ -131,9 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rank_env = RankEnv.from_horovod(os.environ)
 
-    cores, why = cores_per_rank(os.environ, usable_cores(), rank_env.local_size)
-    plan = plan_threads(job.tuning, cores, why)
-    os.environ.update(plan.environment(job.tuning))
+    # The local backend runs every rank of every group on this host; under SLURM a node holds
+    # its group's ranks_per_node.
+    on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
+    plan = plan_for_this_process(job.tuning, on_host, os.environ, slurm_task=args.slurm)
+    os.environ.update(plan.environment())
+    print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 

@@ -1,0 +1,216 @@
+"""The thread plan: pure functions, no TensorFlow."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcdl.config import JobError, TuningConfig, load_job
+from hpcdl.tuning import (
+    CpuInfo,
+    ThreadPlan,
+    cgroup_cpu_quota,
+    cores_per_rank,
+    openblas_coretype,
+    parse_cgroup_quota,
+    parse_cpuinfo,
+    plan_for_this_process,
+    plan_threads,
+    read_cpuinfo,
+    usable_cores,
+)
+
+SPR_FLAGS = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx fma avx2 avx512f avx512dq avx512cd avx512bw "
+             "avx512vl avx512_vnni avx512_bf16 amx_bf16 amx_tile amx_int8")
+CPUINFO = f"""processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Platinum 8480+
+flags\t\t: {SPR_FLAGS}
+
+processor\t: 1
+model name\t: something else
+flags\t\t: fpu
+"""
+SKX = CpuInfo("Skylake", frozenset("avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl".split()))
+HSW = CpuInfo("Haswell", frozenset("avx avx2 fma".split()))
+OLD = CpuInfo("old", frozenset("sse sse2".split()))
+
+
+# -- the CPU ---------------------------------------------------------------------------------
+
+
+def test_parse_cpuinfo_takes_the_first_processor():
+    cpu = parse_cpuinfo(CPUINFO)
+    assert cpu.model == "Intel(R) Xeon(R) Platinum 8480+"
+    assert "amx_bf16" in cpu.flags and "fpu" in cpu.flags and len(cpu.flags) == len(SPR_FLAGS.split())
+    assert cpu.bf16 and cpu.bf16_flags == ("avx512_bf16", "amx_bf16")
+    assert cpu.vector_isa == "amx"
+
+
+def test_parse_cpuinfo_arm_and_empty():
+    arm = parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16\nCPU part\t: 0xd0c\n")
+    assert arm.model == "unknown" and "asimd" in arm.flags and not arm.bf16
+    assert parse_cpuinfo("") == CpuInfo()
+    assert read_cpuinfo("/nonexistent/cpuinfo") == CpuInfo()
+
+
+@pytest.mark.parametrize("cpu, isa, bf16", [(SKX, "avx512", False), (HSW, "avx2", False), (OLD, "sse", False),
+                                            (CpuInfo("cpx", SKX.flags | {"avx512_bf16"}), "avx512", True)])
+def test_vector_isa_and_bf16(cpu, isa, bf16):
+    assert cpu.vector_isa == isa and cpu.bf16 is bf16
+
+
+def test_openblas_coretype():
+    assert openblas_coretype(parse_cpuinfo(CPUINFO)) == "Cooperlake"
+    assert openblas_coretype(SKX) == "SkylakeX"
+    assert openblas_coretype(HSW) == "Haswell"
+    assert openblas_coretype(OLD) is None
+
+
+# -- cores -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, cpus", [("max 100000\n", None), ("200000 100000\n", 2.0),
+                                        ("150000 100000", 1.5), ("50000", 0.5), ("garbage", None)])
+def test_cgroup_v2_quota(text, cpus):
+    assert parse_cgroup_quota(cpu_max=text) == cpus
+
+
+def test_cgroup_v1_quota_and_files(tmp_path):
+    assert parse_cgroup_quota(cfs_quota_us="-1", cfs_period_us="100000") is None
+    assert parse_cgroup_quota(cfs_quota_us="400000\n", cfs_period_us="100000\n") == 4.0
+    assert parse_cgroup_quota() is None
+    (tmp_path / "cpu.max").write_text("300000 100000\n")
+    assert cgroup_cpu_quota(tmp_path) == 3.0
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000")
+    assert cgroup_cpu_quota(v1) == 2.0
+    assert cgroup_cpu_quota(tmp_path / "missing") is None
+
+
+@pytest.mark.parametrize("affinity, quota, expected", [(8, None, 8), (8, 4.0, 4), (8, 2.5, 2), (8, 0.5, 1),
+                                                       (2, 16.0, 2), (0, None, 1)])
+def test_usable_cores(affinity, quota, expected):
+    assert usable_cores(affinity, quota) == expected
+
+
+def test_usable_cores_of_this_process_is_positive():
+    assert usable_cores() >= 1
+
+
+@pytest.mark.parametrize("usable, ranks, expected", [(2, 1, 2), (2, 2, 1), (68, 4, 17), (8, 3, 2), (2, 4, 1)])
+def test_cores_shared_evenly_by_the_ranks_on_a_host(usable, ranks, expected):
+    cores, why = cores_per_rank({}, usable, ranks)
+    assert cores == expected
+    assert f"{usable} usable cores / {ranks} rank(s)" in why
+    assert ("oversubscribed" in why) == (ranks > usable)
+
+
+def test_slurm_cpus_per_task_wins_for_a_srun_task():
+    assert cores_per_rank({"SLURM_CPUS_PER_TASK": "16"}, 16, ranks_on_host=4) == (16, "SLURM_CPUS_PER_TASK=16")
+    # capped by what the process may use (a mask narrower than the request)
+    cores, why = cores_per_rank({"SLURM_CPUS_PER_TASK": "16"}, 8, ranks_on_host=1)
+    assert cores == 8 and "only 8" in why
+    # not a srun task (the local backend inside an allocation): the share of the host
+    assert cores_per_rank({"SLURM_CPUS_PER_TASK": "8"}, 8, ranks_on_host=2, slurm_task=False)[0] == 4
+    # unset, empty, zero or junk: ignored
+    for value in ("", "0", "x", " "):
+        assert cores_per_rank({"SLURM_CPUS_PER_TASK": value}, 6, ranks_on_host=2)[0] == 3
+
+
+# -- the plan --------------------------------------------------------------------------------
+
+
+def test_default_plan_intra_is_the_cores_inter_is_two():
+    plan = plan_threads(TuningConfig(), 17, "68 usable cores / 4 rank(s) on this host")
+    assert (plan.cores, plan.intra_op, plan.inter_op, plan.onednn, plan.precision) == (17, 17, 2, True, "float32")
+    assert plan.why("intra_op") == "cores this rank owns: 68 usable cores / 4 rank(s) on this host"
+    assert plan.why("inter_op").startswith("2 when a rank owns >= 2 cores")
+    assert plan.why("onednn").startswith("default: tuning.onednn = true")
+
+
+def test_one_core_gets_one_inter_op_thread():
+    plan = plan_threads(TuningConfig(), 1, "2 usable cores / 4 rank(s) on this host")
+    assert (plan.intra_op, plan.inter_op) == (1, 1)
+
+
+def test_job_overrides_win_and_say_so():
+    tuning = TuningConfig(intra_op_threads=4, inter_op_threads=1, onednn=False, kmp_blocktime=1)
+    plan = plan_threads(tuning, 2, "2 usable cores / 1 rank(s) on this host")
+    assert (plan.intra_op, plan.inter_op, plan.onednn, plan.kmp_blocktime) == (4, 1, False, 1)
+    assert plan.why("intra_op") == "job: tuning.intra_op_threads = 4 (more than the 2 core(s) this rank owns: oversubscribed)"
+    assert plan.why("inter_op") == "job: tuning.inter_op_threads = 1"
+    assert plan.why("onednn") == "job: tuning.onednn = false (Eigen kernels)"
+
+
+def test_environment_before_tensorflow_loads(monkeypatch):
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL", raising=False)
+    plan = plan_threads(TuningConfig(kmp_blocktime=3), 6, "x")
+    env = plan.environment()
+    assert env == {
+        "OMP_NUM_THREADS": "6", "KMP_BLOCKTIME": "3", "KMP_AFFINITY": "granularity=fine,compact,1,0",
+        "TF_ENABLE_ONEDNN_OPTS": "1", "TF_NUM_INTRAOP_THREADS": "6", "TF_NUM_INTEROP_THREADS": "2",
+        "TF_CPP_MIN_LOG_LEVEL": "1",
+    }
+    assert plan.environment(TuningConfig()) == env  # the old call still works
+    off = plan_threads(TuningConfig(onednn=False), 6, "x").environment()
+    assert off["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")
+    assert plan.environment()["TF_CPP_MIN_LOG_LEVEL"] == "3"  # the user's choice is kept
+
+
+def test_affinity_pinning_off_when_ranks_share_a_mask():
+    # 2 local ranks on a 2-CPU mask: compact pinning would put both on CPU 0
+    shared = plan_threads(TuningConfig(), 1, "x", ranks_on_host=2, mask=2)
+    assert shared.kmp_affinity == "disabled" and "same first cores" in shared.why("kmp_affinity")
+    # srun gave each task its own mask: keep the pinning
+    own = plan_threads(TuningConfig(), 8, "x", ranks_on_host=4, mask=8)
+    assert own.kmp_affinity == "granularity=fine,compact,1,0"
+    alone = plan_threads(TuningConfig(kmp_affinity="scatter"), 2, "x", ranks_on_host=1, mask=2)
+    assert alone.kmp_affinity == "scatter" and alone.why("kmp_affinity") == "job: tuning.kmp_affinity = scatter"
+
+
+SPR = parse_cpuinfo(CPUINFO)
+
+
+@pytest.mark.parametrize("asked, cpu, expected", [
+    ("float32", SPR, "float32"),
+    ("bfloat16", SPR, "bfloat16"),
+    ("bfloat16", SKX, "float32"),  # no native bfloat16: falls back, says why
+    ("bfloat16", None, "bfloat16"),  # not checked (e.g. planning on a login node)
+])
+def test_precision(asked, cpu, expected):
+    plan = plan_threads(TuningConfig(precision=asked), 2, "x", cpu=cpu)
+    assert plan.precision == expected
+    why = plan.why("precision")
+    if asked == "bfloat16" and cpu is SKX:
+        assert "lacks AVX512_BF16/AMX-BF16" in why
+    if expected == "bfloat16" and cpu is not None:
+        assert "avx512_bf16, amx_bf16" in why
+
+
+def test_precision_is_validated_in_the_job():
+    assert load_job("hep", ["tuning.precision=bfloat16"]).tuning.precision == "bfloat16"
+    assert load_job("hep").tuning.precision == "float32"
+    with pytest.raises(JobError, match="tuning.precision must be float32 or bfloat16"):
+        load_job("hep", ["tuning.precision=float16"])
+
+
+def test_default_tuning_derives_inter_op():
+    assert TuningConfig().inter_op_threads == 0 and TuningConfig().intra_op_threads == 0
+
+
+def test_plan_describe_and_reason_name_every_decision():
+    plan = plan_threads(TuningConfig(), 2, "2 usable cores / 1 rank(s) on this host", cpu=SPR)
+    for key in ("intra_op", "inter_op", "onednn", "precision", "kmp_affinity"):
+        assert f"{key}: " in plan.reason
+    assert plan.describe().startswith("threads: intra-op 2, inter-op 2 on 2 core(s); oneDNN on; float32")
+
+
+def test_plan_for_this_process_reads_the_machine(monkeypatch):
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    plan = plan_for_this_process(TuningConfig(), ranks_on_host=1)
+    assert isinstance(plan, ThreadPlan) and plan.intra_op == usable_cores() == plan.cores
+    many = plan_for_this_process(TuningConfig(), ranks_on_host=10_000)
+    assert many.intra_op == 1 and "oversubscribed" in many.why("intra_op")
