@@ -3,9 +3,8 @@ layouts and absurd sizes must end in a clean DataError (one line, names the file
 memory -- never a KeyError/RuntimeError from deep inside h5py, never an allocation sized by what
 the file claims.
 
-Tests marked ``xfail(strict=True)`` document gaps of :mod:`hpcdl.workloads.hep.data` found here
-(see each reason); they turn into failures ("XPASS(strict)") once the reader is fixed, to remind
-whoever fixes it to drop the marker.
+The reader bounds what a file may declare (events, image side, HDF5 chunk size) and turns
+h5py's own errors on corrupted content into DataError; these tests are why.
 """
 
 from __future__ import annotations
@@ -117,13 +116,6 @@ def test_arbitrary_bytes_are_clean_data_errors(originals, data):
     assert outcome(path) == "DataError"
 
 
-MUTATION_GAP = ("hpcdl.workloads.hep.data lets h5py's own errors out of corrupted files: KeyError "
-                "('Unable to synchronously open object (message not aligned)'), RuntimeError "
-                "('... bad symbol table node signature'), OSError ('Can't read data'), and TypeError "
-                "from sorted(group.keys()) when a corrupted link name decodes as bytes -- from "
-                "open_hep's validation and from HepReader.read_*; they should become DataError")
-
-
 def mutate(data: bytes, seed: int) -> bytes:
     rng = random.Random(seed)
     d = bytearray(data)
@@ -136,7 +128,6 @@ def mutate(data: bytes, seed: int) -> bytes:
     return bytes(d)
 
 
-@pytest.mark.xfail(strict=True, reason=MUTATION_GAP)
 @settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(layout=st.sampled_from(["nersc", "benchmark", "nersc_chunked"]), seed=st.integers(0, 2 ** 32))
@@ -150,7 +141,7 @@ def test_mutated_files_are_clean_data_errors_or_readable(originals, layout, seed
 def test_mutated_files_never_crash_the_process_or_hang(originals):
     """Whatever exception the reader lets out today, 300 mutated files neither crash the Python
     process (segfault in libhdf5) nor hang, and each is a ValueError, KeyError, RuntimeError,
-    OSError or TypeError (see MUTATION_GAP for why not always a DataError)."""
+    OSError or TypeError."""
     d, files = originals
     script = textwrap.dedent(f"""
         import collections, json, random, sys
@@ -288,29 +279,16 @@ def test_many_declared_events_stream_in_bounded_memory(tmp_path):
     assert result == {"result": "ok", "n": 1 << 24, "shape": [4, 8, 8, 3]}, result
 
 
-@pytest.mark.xfail(strict=True, reason="iter_batches builds the list of all chunk bounds of the shard "
-                   "(and a permutation of it each epoch): memory grows with the declared event count, "
-                   "so a file declaring 2**40 events ends in MemoryError before the first batch; "
-                   "open_hep should bound n_events (or the chunk order be computed lazily)")
 def test_a_trillion_declared_events_is_a_clean_data_error_or_streams(tmp_path):
     result = run_limited(sparse_nersc(tmp_path / "many.h5", 1 << 40, 8, 8, chunk=(1024, 8, 8)))
     assert result["result"] in ("ok", "DataError"), result
 
 
-@pytest.mark.xfail(strict=True, reason="open_hep accepts any image size: 65536×65536 images make the "
-                   "first chunk allocate (64, 65536, 65536, 3) float32 = 3 TiB (MemoryError, or the OOM "
-                   "killer when the size fits the machine); it should refuse H×W beyond a bound with a "
-                   "DataError")
 def test_absurd_image_size_is_a_clean_data_error(tmp_path):
     result = run_limited(sparse_nersc(tmp_path / "wide.h5", 64, 1 << 16, 1 << 16), mode="read")
     assert result["result"] == "DataError", result
 
 
-@pytest.mark.xfail(strict=True, reason="open_hep does not bound a dataset's chunk size: reading 4 events "
-                   "of 128x128 from a 5 MiB file whose gzip chunk inflates to 1 GiB makes libhdf5 "
-                   "allocate and inflate the whole chunk, for each channel and each read (a "
-                   "decompression bomb: OSError under a memory limit, minutes of CPU without); it "
-                   "should refuse chunks beyond a bound (e.g. 256 MiB) with a DataError")
 def test_decompression_bomb_is_a_clean_data_error(tmp_path):
     import zlib
 

@@ -34,9 +34,11 @@ numbers travel with the model.
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -125,17 +127,48 @@ def open_hep(path) -> HepFile:
     disagreeing event counts or image sizes, or holds no events. Reads shapes only, no data.
     """
     path = Path(path)
-    with common.open_h5(DataError, path) as f:
+    with common.open_h5(DataError, path) as f, _h5_errors(path):
         if _NERSC_GROUP in f:
             return _validate_nersc(path, f)
         if "data" in f:
             return _validate_benchmark(path, f)
-        present = ", ".join(sorted(f.keys())) or "nothing"
+        present = ", ".join(sorted(str(k) for k in f.keys())) or "nothing"
         raise _fail(
             path,
             f"unrecognised layout: expected a group '{_NERSC_GROUP}' (NERSC RPV-SUSY layout) or a "
             f"dataset 'data' (hep_cnn_benchmark layout); found: {present}",
         )
+
+
+# Bounds on what a file may declare, checked before anything is read: a corrupted or hostile
+# header must not make the reader allocate terabytes (the real sets: ~10^7 events of 224×224).
+MAX_EVENTS = 1 << 32
+MAX_IMAGE_SIDE = 8192
+MAX_CHUNK_BYTES = 256 << 20  # one HDF5 chunk is inflated whole on every read that touches it
+
+
+@contextmanager
+def _h5_errors(path: Path) -> Iterator[None]:
+    """h5py reports a corrupted file with KeyError, RuntimeError, OSError or TypeError from deep
+    inside; the user gets one DataError naming the file instead."""
+    try:
+        yield
+    except DataError:
+        raise
+    except (KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
+        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+        raise _fail(path, f"corrupted or unreadable HDF5 content ({detail})") from None
+
+
+def _check_bounds(path: Path, ds: h5py.Dataset, name: str, n: int, side: Tuple[int, ...] = ()) -> None:
+    if n > MAX_EVENTS:
+        raise _fail(path, f"{name} declares {n} events, more than the {MAX_EVENTS} hpcdl reads")
+    if any(s > MAX_IMAGE_SIDE for s in side):
+        raise _fail(path, f"{name} declares images of {side}, larger than {MAX_IMAGE_SIDE} a side")
+    if ds.chunks is not None:
+        chunk_bytes = int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize
+        if chunk_bytes > MAX_CHUNK_BYTES:
+            raise _fail(path, f"{name} has HDF5 chunks of {chunk_bytes} bytes, more than {MAX_CHUNK_BYTES}")
 
 
 def _validate_nersc(path: Path, f: h5py.File) -> HepFile:
@@ -158,6 +191,8 @@ def _validate_nersc(path: Path, f: h5py.File) -> HepFile:
         raise _fail(path, "holds zero events")
     if h == 0 or w == 0:
         raise _fail(path, f"images have an empty shape {h}×{w}")
+    for ds, key in zip(images, CHANNELS):
+        _check_bounds(path, ds, f"{where}{key}", n, (h, w))
     y = _dataset(path, g, "y", where)
     _check_per_event(path, y, f"{where}y", n)
     weight = _dataset(path, g, "weight", where) if "weight" in g else None
@@ -176,6 +211,7 @@ def _validate_benchmark(path: Path, f: h5py.File) -> HepFile:
         raise _fail(path, "holds zero events")
     if h == 0 or w == 0:
         raise _fail(path, f"images have an empty shape {h}×{w}")
+    _check_bounds(path, data, "data", n, (h, w))
     label = _dataset(path, f, "label", "")
     if label.shape not in ((n,), (n, 2)):
         raise _fail(path, f"label has shape {label.shape}, expected ({n},) or ({n}, 2) one-hot")
@@ -206,23 +242,35 @@ class Batch(NamedTuple):
     index: np.ndarray  # (n,) int64 global event index in the file
 
 
+def _corruption_is_data_error(method):
+    """A reader method whose h5py errors on a corrupted chunk come out as one DataError."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with _h5_errors(self.hep.path):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class HepReader:
     """An open HEP file reading event ranges ``[start, stop)`` with h5py slices."""
 
     def __init__(self, hep: HepFile):
         self.hep = hep
-        self._f = h5py.File(hep.path, "r")
-        if hep.layout == LAYOUT_NERSC:
-            g = self._f[_NERSC_GROUP]
-            self._images = [g[key] for key in CHANNELS]
-            self._y = g["y"]
-            self._w = g["weight"] if hep.has_weight else None
-            self._sr = g["passSR"] if hep.has_pass_sr else None
-        else:
-            self._images = [self._f["data"]]
-            self._y = self._f["label"]
-            self._w = self._f["weight"] if hep.has_weight else None
-            self._sr = self._f["psr"] if hep.has_pass_sr else None
+        with _h5_errors(hep.path):
+            self._f = h5py.File(hep.path, "r")
+            if hep.layout == LAYOUT_NERSC:
+                g = self._f[_NERSC_GROUP]
+                self._images = [g[key] for key in CHANNELS]
+                self._y = g["y"]
+                self._w = g["weight"] if hep.has_weight else None
+                self._sr = g["passSR"] if hep.has_pass_sr else None
+            else:
+                self._images = [self._f["data"]]
+                self._y = self._f["label"]
+                self._w = self._f["weight"] if hep.has_weight else None
+                self._sr = self._f["psr"] if hep.has_pass_sr else None
 
     def __enter__(self) -> "HepReader":
         return self
@@ -239,6 +287,7 @@ class HepReader:
                 f"event range [{start}, {stop}) outside [0, {self.hep.n_events}) of {self.hep.path}"
             )
 
+    @_corruption_is_data_error
     def read_images(self, start: int, stop: int) -> np.ndarray:
         """Images of events ``[start, stop)``, NHWC float32."""
         self._check_range(start, stop)
@@ -251,6 +300,7 @@ class HepReader:
         data = self._images[0][start:stop]  # (n, 3, H, W)
         return np.ascontiguousarray(np.transpose(data, (0, 2, 3, 1)), dtype=np.float32)
 
+    @_corruption_is_data_error
     def read_labels(self, start: int, stop: int) -> np.ndarray:
         """Labels of events ``[start, stop)``, int32 (1 = signal); raises DataError if not 0/1."""
         self._check_range(start, stop)
@@ -264,6 +314,7 @@ class HepReader:
             raise _fail(self.hep.path, f"labels must be 0 or 1, found {bad!r} in [{start}, {stop})")
         return raw.astype(np.int32)
 
+    @_corruption_is_data_error
     def read_weights(self, start: int, stop: int) -> np.ndarray:
         """Event weights of ``[start, stop)``, float32 (all 1 when the file has none)."""
         self._check_range(start, stop)
@@ -271,6 +322,7 @@ class HepReader:
             return np.ones(stop - start, dtype=np.float32)
         return self._w[start:stop].astype(np.float32)
 
+    @_corruption_is_data_error
     def read_pass_sr(self, start: int, stop: int) -> Optional[np.ndarray]:
         """Signal-region flags of ``[start, stop)`` as bool, or None when the file has none."""
         self._check_range(start, stop)
