@@ -238,8 +238,17 @@ def save_checkpoint(report: StorageReport, save: Callable[[], Any],
     directory, TensorFlow's state-file temporaries) is removed unless the state file already
     names this checkpoint (then it is complete), the last recorded checkpoint is untouched, the
     problem is recorded, and False is returned. Other errors raise.
+
+    A checkpoint is never overwritten in place: TensorFlow replaces a checkpoint's index and data
+    files one after the other, so re-saving the number the state file names could leave its only
+    recorded copy torn. Such a save is refused (logged, False). (The engine numbers checkpoints by
+    step and resumes after the restored one, so this does not happen in a sane run.)
     """
     directory = Path(directory)
+    if recorded_checkpoint(directory) == f"{prefix}-{number}":
+        log.warning("not saving checkpoint %s-%d over the recorded checkpoint of that number in %s",
+                    prefix, number, directory)
+        return False
     before = _entries(directory)
     try:
         save()

@@ -175,9 +175,13 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 last.update(sync.stats())
             # A full disk or quota is recorded (hpcdl status shows it) and training goes on.
             attempt(report_beside(paths.state), "metrics", append_jsonl, paths.metrics, last)
-            with writer.as_default(step=current):
-                for key in ("loss", "images_per_s", "flops_per_s_group"):
-                    tf.summary.scalar(key, last[key])
+
+            def summaries():
+                with writer.as_default(step=current):
+                    for key in ("loss", "images_per_s", "flops_per_s_group"):
+                        tf.summary.scalar(key, last[key])
+
+            attempt(report_beside(paths.state), "tensorboard", summaries)
             attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
                     {"state": "running", **last})
             window_start, window_steps = time.perf_counter(), 0
@@ -189,7 +193,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             break
 
     if rank == 0:
-        writer.flush()
+        attempt(report_beside(paths.state), "tensorboard", writer.flush)
         final = last or {"step": int(step.numpy()), **(report or {})}
         attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
                 {"state": "stopped" if stopped else "finished", **final})

@@ -64,7 +64,9 @@ def tiny_fs(tmp_path):
 
 
 def fill(fs: Path, leave: int = 0) -> Path:
-    """Fill the file system at `fs` until at most `leave` bytes are free."""
+    """Fill the (tiny, test-mounted) file system at `fs` until at most `leave` bytes are free."""
+    st = os.statvfs(fs)
+    assert st.f_blocks * st.f_frsize <= 64 << 20, f"refusing to fill {fs}: not a tiny test file system"
     filler = fs / "filler"
     with open(filler, "ab") as f:
         while True:
@@ -434,10 +436,14 @@ def test_checkpoint_with_an_injected_failure_after_partial_files(tmp_path):
     with pytest.raises(tf.errors.InvalidArgumentError):  # anything else still raises
         save_checkpoint(report, lambda: (_ for _ in ()).throw(tf.errors.InvalidArgumentError(None, None, "bug")),
                         directory, 30)
+    # the recorded checkpoint is never overwritten in place
+    v.assign_add(np.ones(64 << 10, np.float32))
+    assert not save_checkpoint(report, lambda: manager.save(checkpoint_number=10), directory, 10)
+    check_restorable(directory, 10, 1.0)
 
 
 TRAIN_SCRIPT = r"""
-import json, sys
+import json, os, sys
 from pathlib import Path
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -447,30 +453,42 @@ from hpcdl.workloads import get_workload
 
 out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))
 real_save = tf.train.CheckpointManager.save
+def fill(fs):
+    st = os.statvfs(fs)
+    if st.f_blocks * st.f_frsize > 64 << 20:  # never fill a real file system
+        raise SystemExit(f"refusing to fill {fs}: not a tiny test file system")
+    with open(fs / "filler", "ab", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError:
+            pass
 def save(self, checkpoint_number=None, **kw):
     if checkpoint_number in fail_at:  # the quota runs out in the middle of this checkpoint
         (Path(self.directory) / f"ckpt-{checkpoint_number}_temp").mkdir()
         (Path(self.directory) / f"ckpt-{checkpoint_number}.index").write_bytes(b"partial")
         raise tf.errors.ResourceExhaustedError(None, None, "Disk quota exceeded")
-    return real_save(self, checkpoint_number=checkpoint_number, **kw)
+    path = real_save(self, checkpoint_number=checkpoint_number, **kw)
+    if checkpoint_number == 10:
+        fill(out)  # and from now on, the group's file system is full
+    return path
 tf.train.CheckpointManager.save = save
 hvd.init()
 job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
-paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", ckdir.parent / "tb")
+paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", out / "tb")
 result = train_group(job, workload, hvd, paths, stats, group=0, groups=1)
 print("STEPS", result.steps_run)
 """
 
 
 def test_training_goes_on_through_failed_writes(hep_files, tmp_path, tiny_fs):
-    """A real (one-rank) group: checkpoint 20 fails half-way (injected quota error); the metrics and
-    state files sit on a really full tmpfs. Training finishes all steps, the other checkpoints are
+    """A real (one-rank) group: its metrics, state and TensorBoard files sit on a tmpfs that fills
+    up after step 10, and checkpoint 20 fails half-way (injected quota error). Training finishes all steps, the other checkpoints are
     fine, and the group's storage report says what failed."""
     group_dir = tiny_fs("group", 64)
     StorageReport(group_dir / REPORT_FILE).close()  # as create_run reserves it
-    fill(group_dir)
     overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=30)
     proc = subprocess.run(
         [sys.executable, "-c", TRAIN_SCRIPT, str(group_dir), str(tmp_path / "ckpt"), json.dumps(overrides),
@@ -483,9 +501,17 @@ def test_training_goes_on_through_failed_writes(hep_files, tmp_path, tiny_fs):
     assert "ckpt-10.index" in names and "ckpt-30.index" in names
     assert not any(n.startswith("ckpt-20") for n in names)
     doc = read_report(group_dir / REPORT_FILE)
-    assert {"metrics", "state"} <= set(doc["problems"])
-    assert doc["recovered"]["checkpoint"]["count"] == 1  # failed at 20, fine again at 30
+    # state.json is a new file each time: it cannot be written any more. (metrics.jsonl and the
+    # TensorBoard file grow into the slack of their last page first: they fail later, if at all.)
+    assert "state" in doc["problems"]
+    assert set(doc["problems"]) <= {"state", "metrics", "tensorboard"}
+    assert doc["recovered"]["checkpoint"]["count"] == 1, [l for l in proc.stderr.splitlines() if "storage" in l]
     assert temporaries(group_dir) == []
+    steps = [m["step"] for m in read_jsonl(group_dir / "metrics.jsonl")]
+    assert steps == [5, 10, 15, 20, 25, 30][:len(steps)] and len(steps) >= 2
+    assert (group_dir / "metrics.jsonl").read_bytes().endswith(b"\n")  # whole lines only
+    assert ("metrics" in doc["problems"]) == (len(steps) < 6)
+    assert json.loads((group_dir / "state.json").read_text())["step"] == 10
 
 
 # ----------------------------------------------------------------------------------------------
