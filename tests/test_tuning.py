@@ -151,6 +151,7 @@ def test_environment_before_tensorflow_loads(monkeypatch):
     assert env == {
         "OMP_NUM_THREADS": "6", "KMP_BLOCKTIME": "3", "KMP_AFFINITY": "granularity=fine,compact,1,0",
         "TF_ENABLE_ONEDNN_OPTS": "1", "TF_NUM_INTRAOP_THREADS": "6", "TF_NUM_INTEROP_THREADS": "2",
+        "TF_SET_ONEDNN_FPMATH_MODE": "", "ONEDNN_DEFAULT_FPMATH_MODE": "STRICT",
         "TF_CPP_MIN_LOG_LEVEL": "1",
     }
     assert plan.environment(TuningConfig()) == env  # the old call still works
@@ -188,6 +189,18 @@ def test_precision(asked, cpu, expected):
         assert "lacks AVX512_BF16/AMX-BF16" in why
     if expected == "bfloat16" and cpu is not None:
         assert "avx512_bf16, amx_bf16" in why
+
+
+def test_bfloat16_is_onednn_fpmath_mode():
+    env = plan_threads(TuningConfig(precision="bfloat16"), 2, "x", cpu=SPR).environment()
+    assert env["TF_SET_ONEDNN_FPMATH_MODE"] == "BF16" and env["ONEDNN_DEFAULT_FPMATH_MODE"] == "BF16"
+    # without oneDNN there is no fpmath mode: float32, and the reason says so
+    off = plan_threads(TuningConfig(precision="bfloat16", onednn=False), 2, "x", cpu=SPR)
+    assert off.precision == "float32" and "tuning.onednn = false" in off.why("precision")
+    assert off.environment()["ONEDNN_DEFAULT_FPMATH_MODE"] == "STRICT"
+    # on a CPU without bfloat16, float32 and STRICT
+    skx = plan_threads(TuningConfig(precision="bfloat16"), 2, "x", cpu=SKX).environment()
+    assert skx["ONEDNN_DEFAULT_FPMATH_MODE"] == "STRICT" and skx["TF_SET_ONEDNN_FPMATH_MODE"] == ""
 
 
 def test_precision_is_validated_in_the_job():

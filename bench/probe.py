@@ -1,0 +1,317 @@
+#!/usr/bin/env python
+"""A measuring process for bench/run.py: started once, then driven by JSON commands on stdin.
+
+Keeping the process alive lets run.py interleave measurements of several configurations (each in
+its own process, since oneDNN and the thread pools are fixed when TensorFlow loads) round by round,
+so that the noise of a shared machine hits all of them alike. Replies are single lines on stdout
+starting with "@@ "; anything else there (library chatter) is ignored by run.py.
+
+Roles:
+
+* ``--role numpy``: sgemm with numpy (OpenBLAS), large square float32 matrices. OPENBLAS_CORETYPE
+  is set from /proc/cpuinfo unless already set (OpenBLAS 0.3.23 misdetects Sapphire Rapids under
+  KVM as 'Prescott', SSE3 only, and runs ~7x slower); the kernel in use is reported.
+* ``--role tf``: TensorFlow set up exactly as a rank would be (hpcdl.tuning's plan for the given
+  [tuning] values, applied before TensorFlow loads; --precision bfloat16 is the job option, i.e.
+  oneDNN's BF16 fpmath mode on the unchanged float32 model), the HEP network of the paper
+  (HepCNN(HepModelConfig()), 5 convolutions of 128 3×3 filters) at --image², and the engine's
+  training step: the workload's loss, gradient tape, hpcdl.optim's Adam. No Horovod (one rank's
+  allreduce is a copy); bench/run.py's sustained figure comes from a real `hpcdl submit` run.
+  Also: TensorFlow's own matmul (float32 / bfloat16), and an explicit-bfloat16 variant of the
+  step that is NOT the engine's: a bench-only forward pass computing the same layers with
+  bfloat16 activations from float32 master weights (Keras-style mixed precision), to show what an
+  engine-level bfloat16 path would add to the fpmath mode.
+* ``--role eval``: score snapshots (TF checkpoints or exchange weight files) of a HEP model on an
+  HDF5 file; used by the hybrid section for AUC against wall time.
+
+Commands (one JSON object a line): {"op": "sgemm", "n": 4096, "reps": 2}, {"op": "matmul",
+"dtype": "float32"}, {"op": "setup", "batches": [32]}, {"op": "step", "batch": 32, "precision":
+"float32", "n": 1}, {"op": "auc", "snapshots": [...]}, {"op": "info"}, {"op": "quit"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def reply(obj) -> None:
+    sys.stdout.write("@@ " + json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# -- numpy ------------------------------------------------------------------------------------
+
+
+class NumpyProbe:
+    def __init__(self, args):
+        from hpcdl.tuning import openblas_coretype, read_cpuinfo
+
+        self.coretype_set = "OPENBLAS_CORETYPE" in os.environ
+        if not self.coretype_set and not args.no_coretype:
+            core = openblas_coretype(read_cpuinfo())
+            if core:
+                os.environ["OPENBLAS_CORETYPE"] = core
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
+        import numpy as np
+
+        from hpcdl.doctor import openblas_core_in_use
+
+        self.np = np
+        self.core = openblas_core_in_use()
+        self.mats = {}
+
+    def info(self, _cmd):
+        return {"role": "numpy", "openblas_core": self.core,
+                "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE"),
+                "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "rss_mb": rss_mb()}
+
+    def sgemm(self, cmd):
+        np = self.np
+        n = int(cmd.get("n", 4096))
+        if n not in self.mats:
+            rng = np.random.default_rng(0)
+            a = rng.standard_normal((n, n), dtype=np.float32)
+            b = rng.standard_normal((n, n), dtype=np.float32)
+            c = np.empty((n, n), np.float32)
+            np.matmul(a, b, out=c)  # warm-up: threads started, pages touched
+            self.mats = {n: (a, b, c)}
+        a, b, c = self.mats[n]
+        times = []
+        for _ in range(int(cmd.get("reps", 2))):
+            t = time.perf_counter()
+            np.matmul(a, b, out=c)
+            times.append(time.perf_counter() - t)
+        return {"n": n, "flops": 2.0 * n ** 3, "seconds": times}
+
+
+# -- TensorFlow -------------------------------------------------------------------------------
+
+
+class TfProbe:
+    def __init__(self, args):
+        from hpcdl.config import TuningConfig
+        from hpcdl.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
+
+        tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
+                              onednn=bool(args.onednn), precision=args.precision)
+        cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
+        self.plan = plan_threads(tuning, cores, why, cpu=read_cpuinfo())
+        os.environ.update(self.plan.environment())
+        for item in args.env:  # extra variables for a tuning experiment
+            key, _, value = item.partition("=")
+            os.environ[key] = value
+        self.extra_env = list(args.env)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        import tensorflow as tf
+
+        from hpcdl.tuning import configure_tensorflow, onednn_enabled
+
+        configure_tensorflow(self.plan)
+        self.tf = tf
+        self.onednn_active = onednn_enabled()
+        self.image = args.image
+        self.steps = {}
+        self.batches = {}
+        self.model = None
+
+    def info(self, _cmd):
+        return {"role": "tf", "intra_op": self.plan.intra_op, "inter_op": self.plan.inter_op,
+                "onednn": self.plan.onednn, "onednn_active": self.onednn_active,
+                "precision": self.plan.precision, "plan": self.plan.describe(), "env": self.extra_env,
+                "tf": self.tf.__version__, "image": self.image, "rss_mb": rss_mb(),
+                "flops_per_example": self._model().flops().training}
+
+    def _model(self):
+        if self.model is None:
+            from hpcdl.optim import make_optimizer
+            from hpcdl.workloads.hep.config import HepModelConfig
+            from hpcdl.workloads.hep.model import HepCNN
+
+            self.model = HepCNN(HepModelConfig(), (self.image, self.image, 3), seed=0)
+            self.variables = [v for _, v in self.model.named_variables()]
+            self.optimizer = make_optimizer("adam", self.variables, 1e-3)
+        return self.model
+
+    def _batch(self, batch: int):
+        if batch not in self.batches:
+            import numpy as np
+
+            rng = np.random.default_rng(batch)
+            self.batches[batch] = (
+                rng.random((batch, self.image, self.image, 3), dtype=np.float32),
+                (np.arange(batch) % 2).astype(np.int32),
+                np.ones(batch, np.float32),
+            )
+        return self.batches[batch]
+
+    def _step_fn(self, precision: str):
+        if precision in self.steps:
+            return self.steps[precision]
+        tf = self.tf
+        model = self._model()
+        from hpcdl.workloads.hep.workload import WORKLOAD
+
+        variables, optimizer = self.variables, self.optimizer
+        if precision == "float32":
+            loss_fn = lambda batch: WORKLOAD.loss(model, batch, training=True)  # noqa: E731
+        else:
+            loss_fn = lambda batch: bf16_loss(tf, model, batch)  # noqa: E731
+
+        @tf.function(reduce_retracing=True)
+        def train_step(batch):  # the engine's step, minus Horovod (see the module docstring)
+            with tf.GradientTape() as tape:
+                loss = loss_fn(batch)
+            grads = tape.gradient(loss, variables)
+            optimizer.apply(grads, variables)
+            return loss
+
+        self.steps[precision] = train_step
+        return train_step
+
+    def setup(self, cmd):
+        """Trace and run one step per (batch, precision): tracing and oneDNN's primitive
+        creation are paid here, not in the timed steps."""
+        out = {}
+        for batch in cmd.get("batches", [32]):
+            for precision in cmd.get("precisions", ["float32"]):
+                t = time.perf_counter()
+                self._step_fn(precision)(self._batch(batch)).numpy()
+                out[f"{precision}/{batch}"] = time.perf_counter() - t
+        return {"first_step_seconds": out, "rss_mb": rss_mb()}
+
+    def step(self, cmd):
+        batch, precision = int(cmd.get("batch", 32)), cmd.get("precision", "float32")
+        fn, data = self._step_fn(precision), self._batch(batch)
+        times, shares = [], []
+        for _ in range(int(cmd.get("n", 1))):
+            c, t = cpu_seconds(), time.perf_counter()
+            fn(data).numpy()
+            wall = time.perf_counter() - t
+            times.append(wall)
+            shares.append((cpu_seconds() - c) / (wall * self.plan.intra_op))
+        return {"batch": batch, "precision": precision, "seconds": times, "cpu_share": shares,
+                "flops": float(self._model().flops().training * batch)}
+
+    def matmul(self, cmd):
+        tf = self.tf
+        n, dtype = int(cmd.get("n", 4096)), cmd.get("dtype", "float32")
+        key = ("mm", n, dtype)
+        if key not in self.steps:
+            a = tf.random.stateless_normal((n, n), seed=(1, 2), dtype=tf.float32)
+            b = tf.random.stateless_normal((n, n), seed=(3, 4), dtype=tf.float32)
+            a, b = tf.cast(a, dtype), tf.cast(b, dtype)
+            fn = tf.function(lambda: tf.reduce_sum(tf.cast(tf.linalg.matmul(a, b)[:1, :1], tf.float32)))
+            fn().numpy()
+            self.steps[key] = fn
+        times = []
+        for _ in range(int(cmd.get("reps", 2))):
+            t = time.perf_counter()
+            self.steps[key]().numpy()
+            times.append(time.perf_counter() - t)
+        return {"n": n, "dtype": dtype, "flops": 2.0 * n ** 3, "seconds": times}
+
+    def auc(self, cmd):
+        """AUCs of snapshots: [{"path": ckpt prefix or .hx file}, ...] on cmd["data"]."""
+        import numpy as np
+
+        from hpcdl.exchange import read_file
+        from hpcdl.workloads.hep import metrics
+        from hpcdl.workloads.hep.config import HepModelConfig
+        from hpcdl.workloads.hep.model import HepCNN
+        from hpcdl.workloads.hep.workload import WORKLOAD
+
+        tf = self.tf
+        model = HepCNN(HepModelConfig(**cmd["model"]), tuple(cmd["input_shape"]), seed=0)
+        variables = dict(model.named_variables())
+        out = []
+        signer = None
+        if cmd.get("run_dir"):  # exchange files are signed with the run's key
+            from hpcdl.runs import RunDir
+
+            signer = RunDir(Path(cmd["run_dir"])).signer()
+        for path in cmd["snapshots"]:
+            if path.endswith(".hx"):
+                _header, tensors = read_file(Path(path), run_id=None, signer=signer)
+                for name, var in variables.items():
+                    var.assign(tensors[name])
+            else:
+                tf.train.Checkpoint(model=model).restore(path).expect_partial()
+            parts = [WORKLOAD.scores(model, cmd["stats"], Path(d), batch_size=600) for d in cmd["data"]]
+            s = {k: np.concatenate([p[k] for p in parts]) for k in ("score", "y", "w")}
+            r = metrics.evaluate_scores(s["score"], s["y"], s["w"])
+            out.append({"path": path, "auc_weighted": r.auc_weighted, "auc_unweighted": r.auc_unweighted})
+        return {"results": out}
+
+
+def bf16_loss(tf, model, batch):
+    """The HEP network's loss computed in bfloat16 from float32 weights (bench only).
+
+    Same layers and order as HepCNN.__call__ (conv → ReLU → max-pool → dropout, ×4; conv → ReLU →
+    global mean → dense), with inputs, weights and activations cast to bfloat16 and the pooled
+    features, logits and loss in float32, as Keras' 'mixed_bfloat16' policy would do.
+    """
+    x, y, w = batch
+    cfg = model.config
+    h = tf.cast(x, tf.bfloat16)
+    for conv in model.convs[:-1]:
+        h = tf.nn.conv2d(h, tf.cast(conv.w, tf.bfloat16), conv.stride, "SAME") + tf.cast(conv.b, tf.bfloat16)
+        h = tf.nn.max_pool2d(tf.nn.relu(h), cfg.pool, cfg.pool, "VALID")
+        if cfg.dropout > 0:
+            h = tf.nn.dropout(h, rate=cfg.dropout)
+    last = model.convs[-1]
+    h = tf.nn.relu(tf.nn.conv2d(h, tf.cast(last.w, tf.bfloat16), last.stride, "SAME") + tf.cast(last.b, tf.bfloat16))
+    logits = model.head(tf.reduce_mean(tf.cast(h, tf.float32), axis=[1, 2]))
+    per_event = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
+    return tf.reduce_sum(per_event * w) / tf.reduce_sum(w)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", choices=["numpy", "tf", "eval"], required=True)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="numpy: BLAS threads")
+    parser.add_argument("--no-coretype", action="store_true", help="numpy: keep OpenBLAS's own CPU detection")
+    parser.add_argument("--intra", type=int, default=0, help="tf: tuning.intra_op_threads (0: derive)")
+    parser.add_argument("--inter", type=int, default=0, help="tf: tuning.inter_op_threads (0: derive)")
+    parser.add_argument("--onednn", type=int, default=1)
+    parser.add_argument("--precision", default="float32", help="tf: tuning.precision")
+    parser.add_argument("--env", action="append", default=[], help="tf: KEY=VALUE set before TensorFlow loads")
+    parser.add_argument("--image", type=int, default=224)
+    args = parser.parse_args()
+    probe = NumpyProbe(args) if args.role == "numpy" else TfProbe(args)
+    reply({"ready": True, **probe.info({})})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        op = cmd.get("op")
+        if op == "quit":
+            break
+        try:
+            reply({"ok": True, **getattr(probe, op)(cmd)})
+        except Exception as exc:  # reported to run.py, which decides
+            reply({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,975 @@
+#!/usr/bin/env python
+"""hpcdl's benchmark suite: `make bench` prints one table of figures measured in the same run.
+
+Sections (each skippable: `--only sgemm,step`; `--skip hybrid`):
+
+sgemm      the machine's float32 matrix-multiply peak: numpy (OpenBLAS) on 4096² matrices, best of
+           several, interleaved with the step below; TensorFlow's own matmul (oneDNN) beside it.
+           The denominator of every ratio is the best sgemm seen anywhere in this run.
+step       the HEP network of the paper (5 convolutions of 128 3×3 filters) at 224×224, batch 32,
+           one rank set up exactly as hpcdl's tuning would set it up: FLOP/s of one training step
+           (the engine's step minus Horovod), best and median of interleaved rounds; its ratio to
+           the sgemm peak (goal ≥ 0.7). Also a bench-only bfloat16 variant (mixed precision).
+tuning     oneDNN on/off, inter-op 1 vs 2, intra-op 1 vs all cores, batch 16 vs 32: each variant
+           in its own process (oneDNN and the pools are fixed when TensorFlow loads), its steps
+           interleaved with the default configuration's, reported as a ratio to it.
+sustained  a real `hpcdl submit hep --backend local --nodes 1` on a generated 224×224 set: the
+           engine's own sustained FLOP/s (data loading, Horovod, logging, first-step tracing
+           included) over a short run, and its ratio to the peak (goal ≥ 0.6).
+reader     the HDF5 reader's images/s (the job's chunking and prefetch) beside what training
+           consumes (goal ≥ 10×).
+exchange   update files (the HEP gradient, HMAC-signed, fsynced) written and read, MB/s, beside
+           `dd` on the same disk; the time a group spends publishing/adopting as a share of its
+           wall time, from hybrid runs' metrics (exchange_seconds); that cost against the 224×224
+           step; bench/exchange_load.py's applier figures if that script is present.
+hybrid     the same 4 ranks as 1×4 (synchronous), 2×2 and 4×1 groups, one rank slowed 2× by a
+           bench-only injected sleep (bench/hooks/sitecustomize.py), HEP network at 32×32: wall
+           time until the model (group 0's checkpoints; the applier's master weights when there
+           is an exchange) reaches AUC 0.90 on the validation file.
+plan       the scale planner fed this run's measured node rate and exchange bandwidth.
+
+The machine is shared and noisy: measurements that are compared are taken side by side, in
+alternating rounds; best and median are printed, with the load average. Results go to
+bench/results/<date>.json (`--compare FILE|latest` adds the figures of an earlier run).
+Generated data sets are cached under --work (default /tmp/hpcdl-bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import select
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+BENCH = REPO / "bench"
+PROBE = BENCH / "probe.py"
+HOOKS = BENCH / "hooks"
+RESULTS = BENCH / "results"
+HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+
+SECTIONS = ("sgemm", "step", "tuning", "sustained", "reader", "exchange", "hybrid", "plan")
+GOALS = {"step": 0.7, "sustained": 0.6, "reader": 10.0}
+AUC_TARGET = 0.90
+SNAPSHOT_EVERY_S = 2.0  # hybrid: how often the applier's newest master weights are kept
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def best(xs):
+    return max(xs) if xs else None
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def loadavg() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def mem_available_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024 ** 2
+    except OSError:
+        pass
+    return float("inf")
+
+
+def gf(x: float | None) -> str:
+    return "-" if x is None else f"{x / 1e9:.1f} GFLOP/s"
+
+
+# -- a measuring process ----------------------------------------------------------------------
+
+
+class Probe:
+    """bench/probe.py in its own process, answering JSON commands."""
+
+    def __init__(self, name: str, args: list[str], logdir: Path, timeout: float = 900.0):
+        self.name = name
+        self.timeout = timeout
+        self.stderr = open(logdir / f"probe-{name}.log", "w")
+        env = dict(os.environ)
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        self.proc = subprocess.Popen([sys.executable, str(PROBE), *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
+        self.info = self._read()
+
+    def _read(self) -> dict:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise BenchError(f"probe {self.name}: no answer in {self.timeout:.0f} s")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 5.0))
+            if not ready:
+                if self.proc.poll() is not None:
+                    raise BenchError(f"probe {self.name} died (exit {self.proc.returncode}); see {self.stderr.name}")
+                continue
+            line = self.proc.stdout.readline()
+            if not line:
+                raise BenchError(f"probe {self.name} died (exit {self.proc.wait()}); see {self.stderr.name}")
+            if line.startswith("@@ "):
+                out = json.loads(line[3:])
+                if out.get("ok") is False:
+                    raise BenchError(f"probe {self.name}: {out['error']}\n{out.get('trace', '')}")
+                return out
+
+    def ask(self, **cmd) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"op": "quit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.stderr.close()
+
+
+# -- the results ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    key: str  # stable across runs, for --compare
+    section: str
+    what: str
+    value: str
+    ratio: str = ""
+    note: str = ""
+    number: float | None = None  # the figure compared across runs
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    work: Path
+    logdir: Path
+    rows: list[Row] = field(default_factory=list)
+    data: dict[str, Any] = field(default_factory=dict)
+    sgemm: list[float] = field(default_factory=list)  # every numpy sgemm FLOP/s measured
+    tf_mm: list[float] = field(default_factory=list)  # every TensorFlow float32 matmul FLOP/s
+    tf_default: Probe | None = None
+    numpy: Probe | None = None
+
+    def row(self, key, section, what, value, ratio="", note="", number=None) -> None:
+        self.rows.append(Row(key, section, what, value, ratio, note, number))
+        log(f"{section}: {what}: {value} {ratio} {note}".rstrip())
+
+    @property
+    def peak(self) -> float | None:
+        """The better of numpy's sgemm and TensorFlow's float32 matmul: the stricter denominator."""
+        return best(self.sgemm + self.tf_mm)
+
+    def peak_ratio(self, flops: float | None) -> str:
+        if flops is None or not self.peak:
+            return ""
+        return f"{flops / self.peak:.2f} of peak"
+
+    # -- probes -----------------------------------------------------------------------------
+
+    def numpy_probe(self) -> Probe:
+        if self.numpy is None:
+            self.numpy = Probe("numpy", ["--role", "numpy"], self.logdir)
+            self.data["numpy"] = self.numpy.info
+        return self.numpy
+
+    def sgemm_sample(self, reps: int = 2) -> float:
+        out = self.numpy_probe().ask(op="sgemm", n=self.args.sgemm_n, reps=reps)
+        rates = [out["flops"] / s for s in out["seconds"]]
+        self.sgemm.extend(rates)
+        return max(rates)
+
+    def tf_probe(self) -> Probe:
+        if self.tf_default is None:
+            self.tf_default = Probe("tf-default", ["--role", "tf", "--image", "224"], self.logdir)
+            self.data["tf_default"] = self.tf_default.info
+        return self.tf_default
+
+    def close_tf(self) -> None:
+        if self.tf_default is not None:
+            self.tf_default.close()
+            self.tf_default = None
+
+    def close(self) -> None:
+        self.close_tf()
+        if self.numpy is not None:
+            self.numpy.close()
+            self.numpy = None
+
+
+# -- sections ---------------------------------------------------------------------------------
+
+
+def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
+    rounds = b.args.rounds
+    batch = b.args.batch
+    res = b.data.setdefault("step", {"batch": batch, "rounds": []})
+    tf = b.tf_probe()
+    bf = None
+    if do_step:
+        log(f"step: tracing the HEP step at 224x224, batch {batch} (float32, explicit bfloat16)")
+        res["first_step"] = tf.ask(op="setup", batches=[batch], precisions=["float32", "bfloat16"])
+        if mem_available_gb() >= 5.0:
+            log("step: a second process with tuning.precision = bfloat16 (oneDNN fpmath mode)")
+            bf = Probe("tf-bf16", ["--role", "tf", "--image", "224", "--precision", "bfloat16"], b.logdir)
+            b.data["tf_bf16"] = bf.info
+            res["first_step_fpmath"] = bf.ask(op="setup", batches=[batch], precisions=["float32"])
+        else:
+            log(f"step: only {mem_available_gb():.1f} GB available: no bfloat16 (fpmath) process")
+    mm_bf16, steps, fpmath, explicit, shares = [], [], [], [], []
+
+    def rates(out):
+        return [out["flops"] / s for s in out["seconds"]]
+
+    try:
+        for r in range(rounds):
+            log(f"sgemm/step: round {r + 1}/{rounds} (load {loadavg():.1f})")
+            entry: dict[str, Any] = {"load": loadavg()}
+            entry["sgemm"] = b.sgemm_sample()
+            mm = rates(tf.ask(op="matmul", dtype="float32", n=b.args.sgemm_n, reps=2))
+            b.tf_mm.extend(mm)
+            entry["tf_matmul"] = max(mm)
+            if do_step:
+                st = tf.ask(op="step", batch=batch, precision="float32", n=b.args.step_n)
+                steps.extend(rates(st))
+                shares.extend(st["cpu_share"])
+                if bf is not None:
+                    fm = bf.ask(op="step", batch=batch, precision="float32", n=b.args.step_n)
+                    fpmath.extend(rates(fm))
+                    entry["step_fpmath"] = fm
+                ex = tf.ask(op="step", batch=batch, precision="bfloat16", n=1)
+                explicit.extend(rates(ex))
+                entry.update(step=st, step_explicit_bf16=ex)
+            mmb = rates(tf.ask(op="matmul", dtype="bfloat16", n=b.args.sgemm_n, reps=2))
+            mm_bf16.extend(mmb)
+            res["rounds"].append(entry)
+    finally:
+        if bf is not None:
+            bf.close()
+    res.update(sgemm=list(b.sgemm), tf_matmul=list(b.tf_mm), tf_matmul_bf16=mm_bf16, step_flops=steps,
+               step_fpmath_flops=fpmath, step_explicit_bf16_flops=explicit, cpu_share=shares)
+    core = b.data["numpy"].get("openblas_core")
+    b.row("sgemm.numpy", "peak", f"sgemm numpy float32 {b.args.sgemm_n}² (OpenBLAS, {core} kernels)",
+          gf(best(b.sgemm)), f"{best(b.sgemm) / b.peak:.2f} of peak",
+          f"median {gf(median(b.sgemm))}, {len(b.sgemm)} runs", number=best(b.sgemm))
+    b.row("sgemm.tf", "peak", f"TensorFlow matmul float32 {b.args.sgemm_n}² (oneDNN)", gf(best(b.tf_mm)),
+          f"{best(b.tf_mm) / b.peak:.2f} of peak", f"median {gf(median(b.tf_mm))}", number=best(b.tf_mm))
+    b.row("sgemm.tf_bf16", "peak", f"TensorFlow matmul bfloat16 {b.args.sgemm_n}² (AMX)", gf(best(mm_bf16)),
+          f"{best(mm_bf16) / b.peak:.2f}x fp32 peak", f"median {gf(median(mm_bf16))}", number=best(mm_bf16))
+    if not steps:
+        return
+    fpe = b.data["tf_default"]["flops_per_example"]
+    info = b.data["tf_default"]
+    ratio = best(steps) / b.peak
+    b.row("step.fp32", "step", f"HEP step 224² batch {batch} float32 (intra {info['intra_op']}, "
+          f"inter {info['inter_op']}, oneDNN)", gf(best(steps)), f"{ratio:.2f} of peak",
+          f"goal ≥ {GOALS['step']}{' met' if ratio >= GOALS['step'] else ' NOT met'}; median "
+          f"{gf(median(steps))}; {len(steps)} steps of {fpe * batch / 1e9:.0f} GFLOP; CPU share "
+          f"{median(shares):.0%}", number=best(steps))
+    res["images_per_s_best"] = best(steps) / fpe
+    if fpmath:
+        b.row("step.bf16_fpmath", "step", f"same, tuning.precision = bfloat16 (oneDNN BF16 fpmath, AMX)",
+              gf(best(fpmath)), f"{best(fpmath) / b.peak:.2f} of fp32 peak",
+              f"{best(fpmath) / best(steps):.2f}x float32 step; median {gf(median(fpmath))}",
+              number=best(fpmath))
+        res["images_per_s_best"] = max(res["images_per_s_best"], best(fpmath) / fpe)
+    if explicit:
+        b.row("step.bf16_explicit", "step", "same, bfloat16 activations too (bench-only forward)",
+              gf(best(explicit)), f"{best(explicit) / b.peak:.2f} of fp32 peak",
+              f"{best(explicit) / best(steps):.2f}x float32 step, {best(explicit) / best(mm_bf16):.2f} "
+              f"of bf16 matmul; median {gf(median(explicit))}", number=best(explicit))
+
+
+TUNING_VARIANTS = (
+    ("onednn_off", "oneDNN off (Eigen)", ["--onednn", "0"]),
+    ("inter1", "inter-op 1", ["--inter", "1"]),
+    ("intra1", "intra-op 1", ["--intra", "1"]),
+)
+
+
+def section_tuning(b: Bench) -> None:
+    batch = b.args.tuning_batch
+    rounds = b.args.rounds
+    tf = b.tf_probe()
+    res = b.data.setdefault("tuning", {"batch": batch})
+    tf.ask(op="setup", batches=[batch], precisions=["float32"])
+    # batch 16 vs 32 in the default process
+    if b.data.get("step", {}).get("step_flops"):
+        small = []
+        for _ in range(rounds):
+            st = tf.ask(op="step", batch=batch, precision="float32", n=1)
+            small.extend(st["flops"] / s for s in st["seconds"])
+            big = tf.ask(op="step", batch=b.args.batch, precision="float32", n=1)
+            b.data["step"]["step_flops"].extend(big["flops"] / s for s in big["seconds"])
+        res["batch_small"] = small
+        ref = best(b.data["step"]["step_flops"])
+        b.row(f"tuning.batch{batch}", "tuning", f"batch {batch} instead of {b.args.batch}", gf(best(small)),
+              f"{best(small) / ref:.2f}x default", f"median {gf(median(small))}", number=best(small) / ref)
+    for key, label, extra in TUNING_VARIANTS:
+        if mem_available_gb() < 3.0:
+            b.row(f"tuning.{key}", "tuning", label, "skipped", "", f"only {mem_available_gb():.1f} GB free")
+            continue
+        log(f"tuning: {label}: starting its process")
+        try:
+            probe = Probe(f"tf-{key}", ["--role", "tf", "--image", "224", *extra], b.logdir)
+        except BenchError as exc:
+            b.row(f"tuning.{key}", "tuning", label, "failed", "", str(exc)[:80])
+            continue
+        try:
+            probe.ask(op="setup", batches=[batch], precisions=["float32"])
+            mine, ref = [], []
+            for r in range(rounds):
+                pair = [(probe, mine), (tf, ref)] if r % 2 == 0 else [(tf, ref), (probe, mine)]
+                for p, into in pair:
+                    st = p.ask(op="step", batch=batch, precision="float32", n=1)
+                    into.extend(st["flops"] / s for s in st["seconds"])
+            res[key] = {"variant": mine, "default": ref, "info": probe.info}
+            b.row(f"tuning.{key}", "tuning", f"{label} (intra {probe.info['intra_op']}, inter "
+                  f"{probe.info['inter_op']}), batch {batch}", gf(best(mine)),
+                  f"{best(mine) / best(ref):.2f}x default",
+                  f"default {gf(best(ref))} alongside; median ratio {median(mine) / median(ref):.2f}",
+                  number=best(mine) / best(ref))
+        finally:
+            probe.close()
+
+
+def generated(b: Bench, events: int, size: int) -> dict[str, Path]:
+    """A generated HEP set, cached under --work (the generator is deterministic)."""
+    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
+
+    out = b.work / "data" / f"hep-v{GENERATOR_VERSION}-e{events}-s{size}"
+    files = {k: out / f"{k}.h5" for k in ("train", "val", "test")}
+    if all(p.is_file() for p in files.values()):
+        return files
+    log(f"generating {events} HEP events at {size}x{size} into {out} (cached for later runs)")
+    t = time.perf_counter()
+    generate(out, events, image_size=size, seed=0)
+    b.data.setdefault("generated", {})[out.name] = time.perf_counter() - t
+    return files
+
+
+def data_sets(files: dict[str, Path]) -> list[str]:
+    return [f'data.{k}="{v}"' for k, v in files.items()]
+
+
+def submit(b: Bench, name: str, overrides: list[str], nodes: int = 1, group_size: int = 0,
+           env: dict[str, str] | None = None, watch=None) -> tuple[Path | None, float, subprocess.CompletedProcess]:
+    """Run `hpcdl submit` in the foreground; returns (run dir, start time, process)."""
+    runs = b.work / "runs" / name
+    runs.mkdir(parents=True, exist_ok=True)
+    before = set(runs.iterdir())
+    cmd = [HPCDL, "submit", "hep", "--backend", "local", "--nodes", str(nodes), "--group-size",
+           str(group_size), "--json", "--runs-dir", str(runs)]
+    for o in overrides:
+        cmd += ["--set", o]
+    t0 = time.time()
+    errfile = b.logdir / f"submit-{name}.err"
+    with open(errfile, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=b.work, stdout=subprocess.PIPE, stderr=err, text=True,
+                                env={**os.environ, **(env or {})})
+    run_dir = None
+    out_chunks: list[str] = []
+    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        if run_dir is None:
+            new = [p for p in runs.iterdir() if p not in before and not p.name.startswith(".")]
+            run_dir = new[0] if new else None
+        if run_dir is not None and watch is not None:
+            watch(run_dir)
+        time.sleep(0.25)
+    reader.join(timeout=10)
+    stderr = errfile.read_text(errors="replace")
+    if run_dir is None:
+        new = [p for p in runs.iterdir() if p not in before and not p.name.startswith(".")]
+        run_dir = new[0] if new else None
+    return run_dir, t0, subprocess.CompletedProcess(cmd, proc.returncode, "".join(out_chunks), stderr)
+
+
+def metrics(run_dir: Path, group: int = 0) -> list[dict]:
+    path = run_dir / "groups" / str(group) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def section_sustained(b: Bench) -> None:
+    files = generated(b, b.args.sustained_events, 224)
+    b.close_tf()  # memory, and nothing else of ours competes with the run
+    before = b.sgemm_sample(reps=3)
+    steps, batch, log_every = b.args.sustained_steps, b.args.batch, b.args.sustained_log_every
+    log(f"sustained: hpcdl submit hep, 1 rank, 224x224, batch {batch}, {steps} steps")
+    run_dir, t0, proc = submit(b, "sustained", [
+        *data_sets(files), f"train.steps={steps}", f"train.batch_per_rank={batch}",
+        f"train.log_every={log_every}", f"train.checkpoint_every={steps}", "data.chunk_events=256",
+    ])
+    wall = time.time() - t0
+    after = b.sgemm_sample(reps=3)
+    if proc.returncode != 0 or run_dir is None:
+        raise BenchError(f"sustained run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    lines = metrics(run_dir)
+    last = lines[-1]
+    windows = [m["flops_per_s_group"] for m in lines[1:]]  # the first window holds the tracing
+    rank_log = (run_dir / "groups" / "0" / "rank0.log").read_text(errors="replace")
+    plan_line = next((l for l in rank_log.splitlines() if "threads:" in l), "")
+    b.data["sustained"] = {"metrics": lines, "wall_s": wall, "run_dir": str(run_dir),
+                           "sgemm_before": before, "sgemm_after": after, "plan": plan_line}
+    sustained = last["sustained_flops_per_s_group"]
+    ok = b.peak and sustained / b.peak >= GOALS["sustained"]
+    b.row("sustained.run", "sustained", f"hpcdl submit, 1 rank, {steps} steps × {batch} at 224², "
+          "data + Horovod, first-step tracing included", gf(sustained), b.peak_ratio(sustained),
+          f"goal ≥ {GOALS['sustained']}{' met' if ok else ' NOT met' if b.peak else ''}; "
+          f"{last['images_per_s']:.2f} img/s; run wall {wall:.0f} s", number=sustained)
+    if windows:
+        b.row("sustained.windows", "sustained", f"same run, steady {log_every}-step windows (after the first)",
+              gf(best(windows)), b.peak_ratio(best(windows)), f"median {gf(median(windows))}",
+              number=best(windows))
+    b.data["sustained"]["images_per_s_best"] = max(m["images_per_s"] for m in lines)
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def section_reader(b: Bench) -> None:
+    from hpcdl.workloads.hep import data as hepdata
+
+    files = generated(b, b.args.sustained_events, 224)
+    norm = hepdata.Normalization.from_file(files["train"])
+    rates = []
+    for _ in range(2):
+        it = hepdata.iter_batches(files["train"], b.args.batch, norm=norm, shuffle=True, seed=1,
+                                  chunk_events=256, prefetch=2)
+        next(it)
+        n, t = 0, time.perf_counter()
+        while time.perf_counter() - t < b.args.reader_seconds:
+            n += len(next(it).y)
+        rates.append(n / (time.perf_counter() - t))
+        it.close()
+    consumption = [v for v in (b.data.get("sustained", {}).get("images_per_s_best"),
+                               b.data.get("step", {}).get("images_per_s_best")) if v]
+    need = max(consumption) if consumption else None
+    b.data["reader"] = {"images_per_s": rates, "training_images_per_s": need}
+    ratio = f"{best(rates) / need:.0f}x training" if need else ""
+    note = (f"goal ≥ {GOALS['reader']:.0f}x{' met' if need and best(rates) / need >= GOALS['reader'] else ' NOT met'}; "
+            f"training takes {need:.2f} img/s (its best)" if need else "no training figure in this run")
+    b.row("reader", "reader", "HDF5 reader 224² (chunk 256, prefetch 2, shuffled, normalised)",
+          f"{best(rates):.0f} img/s", ratio, note, number=best(rates))
+
+
+def hep_gradient(params_seed: int = 0) -> dict:
+    """Tensors shaped like the HEP network's variables (594,178 float32, 2.38 MB)."""
+    import numpy as np
+
+    from hpcdl.workloads.hep.config import HepModelConfig
+
+    c = HepModelConfig()
+    rng = np.random.default_rng(params_seed)
+    chans = [3] + [c.filters] * c.conv_layers
+    out = {}
+    for i in range(c.conv_layers):
+        out[f"convs{i}/w"] = rng.standard_normal((c.kernel, c.kernel, chans[i], chans[i + 1]), dtype=np.float32)
+        out[f"convs{i}/b"] = rng.standard_normal(chans[i + 1], dtype=np.float32)
+    out["head/w"] = rng.standard_normal((c.filters, 2), dtype=np.float32)
+    out["head/b"] = rng.standard_normal(2, dtype=np.float32)
+    return out
+
+
+def dd(args: list[str]) -> float:
+    """Bytes/s that dd reports."""
+    p = subprocess.run(["dd", *args], capture_output=True, text=True)
+    m = re.search(r"(\d+) bytes .* copied, ([\d.e+-]+) s", p.stderr)
+    if p.returncode != 0 or not m:
+        raise BenchError(f"dd {' '.join(args)} failed: {p.stderr.strip()[-300:]}")
+    return int(m.group(1)) / float(m.group(2))
+
+
+def section_exchange_files(b: Bench) -> None:
+    import secrets as _secrets
+
+    from hpcdl.exchange import Channel, Signer
+
+    root = b.work / "exchange-bw"
+    shutil.rmtree(root, ignore_errors=True)
+    grads = hep_gradient()
+    nbytes = sum(v.nbytes for v in grads.values())
+    channel = Channel(root / "x", "bench", signer=Signer(_secrets.token_bytes(32)))
+    n = b.args.exchange_files
+    t = time.perf_counter()
+    for seq in range(n):
+        channel.publish_update(0, seq, -1, grads)
+    write = n * nbytes / (time.perf_counter() - t)
+    refs = channel.pending_updates()
+    t = time.perf_counter()
+    for ref in refs:
+        channel.read_update(ref)
+    read = len(refs) * nbytes / (time.perf_counter() - t)
+    size_mb = max(64, int(2 * n * nbytes / 2 ** 20))
+    target = root / "dd.tmp"
+    dd_write = dd(["if=/dev/zero", f"of={target}", "bs=1M", f"count={size_mb}", "conv=fsync"])
+    dd_read = dd([f"if={target}", "of=/dev/null", "bs=1M"])
+    try:
+        dd_direct = dd([f"if={target}", "of=/dev/null", "bs=1M", "iflag=direct"])
+    except BenchError:
+        dd_direct = None
+    shutil.rmtree(root, ignore_errors=True)
+    b.data["exchange_files"] = {"update_bytes": nbytes, "files": n, "write_Bps": write, "read_Bps": read,
+                                "dd_write_Bps": dd_write, "dd_read_cached_Bps": dd_read,
+                                "dd_read_direct_Bps": dd_direct, "dir": str(root)}
+    mb = lambda x: f"{x / 1e6:.0f} MB/s"  # noqa: E731
+    b.row("exchange.write", "exchange", f"update files written ({nbytes / 1e6:.2f} MB, HMAC, fsync) ×{n}",
+          mb(write), f"{write / dd_write:.2f}x dd", f"dd write (fsync) {mb(dd_write)}, same disk",
+          number=write)
+    b.row("exchange.read", "exchange", "update files read and verified", mb(read),
+          f"{read / dd_read:.2f}x dd", f"dd read {mb(dd_read)} (page cache, like the updates)"
+          + (f"; {mb(dd_direct)} O_DIRECT" if dd_direct else ""), number=read)
+
+
+def exchange_overhead(lines: list[dict]) -> dict | None:
+    """Share of a group's wall time spent in publish/adopt, between its first and last metrics."""
+    xs = [m for m in lines if "exchange_seconds" in m]
+    if len(xs) < 2:
+        return None
+    first, last = xs[0], xs[-1]
+    dt = last["time"] - first["time"]
+    if dt <= 0:
+        return None
+    published = last.get("exchange_published", 0) - first.get("exchange_published", 0)
+    spent = last["exchange_seconds"] - first["exchange_seconds"]
+    return {"share": spent / dt, "seconds": spent, "wall": dt, "published": published,
+            "per_exchange_s": spent / published if published else None,
+            "step_time_s": statistics.median(m["step_time_s"] for m in xs[1:])}
+
+
+def section_exchange_overhead(b: Bench) -> None:
+    runs = b.data.get("hybrid", {}).get("runs", {})
+    found = {name: r["exchange_overhead"] for name, r in runs.items() if r.get("exchange_overhead")}
+    if not found:
+        log("exchange: no hybrid runs in this bench; a short 2-group run for the overhead")
+        files = generated(b, b.args.hybrid_events, 32)
+        run_dir, _t0, proc = submit(b, "exchange", [
+            *data_sets(files), f"train.steps={b.args.exchange_steps}", "train.batch_per_rank=8",
+            "train.log_every=10", f"train.checkpoint_every={b.args.exchange_steps}", "data.chunk_events=512",
+        ], nodes=2, group_size=1)
+        if proc.returncode != 0 or run_dir is None:
+            raise BenchError(f"exchange run failed: {proc.stderr[-2000:]}")
+        per_group = [exchange_overhead(metrics(run_dir, g)) for g in range(2)]
+        found = {"2x1": [o for o in per_group if o]}
+        shutil.rmtree(run_dir, ignore_errors=True)
+    b.data["exchange_overhead"] = found
+    step224 = None
+    st = b.data.get("step", {}).get("step_flops")
+    if st:
+        step224 = b.data["tf_default"]["flops_per_example"] * b.args.batch / best(st)
+    for name, groups in found.items():
+        shares = [g["share"] for g in groups]
+        per = [g["per_exchange_s"] for g in groups if g["per_exchange_s"]]
+        steps = [g["step_time_s"] for g in groups]
+        note = (f"{1e3 * median(per):.0f} ms per publish+adopt, group step {1e3 * median(steps):.0f} ms"
+                if per else "")
+        if per and step224:
+            note += f"; = {100 * median(per) / step224:.2f} % of a 224² batch-{b.args.batch} step"
+        b.row(f"exchange.overhead.{name}", "exchange", f"group time in publish/adopt, {name} run (32², HEP net)",
+              f"{100 * median(shares):.1f} %", "", note, number=median(shares))
+
+
+def section_exchange_load(b: Bench) -> None:
+    """bench/exchange_load.py (another engineer's load test), if present: its applier figures."""
+    script = BENCH / "exchange_load.py"
+    if not script.is_file() or b.args.no_exchange_load:
+        return
+    out = b.work / "exchange_load.json"
+    out.unlink(missing_ok=True)
+    where = b.work / "exchange-load"
+    where.mkdir(parents=True, exist_ok=True)
+    groups, seconds = 4, 10
+    log(f"exchange: bench/exchange_load.py, {groups} simulated groups for {seconds} s")
+    p = subprocess.run([sys.executable, str(script), "--groups", str(groups), "--seconds", str(seconds),
+                        "--sizes", "594178", "--drain", "20", "--dir", str(where), "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    shutil.rmtree(where, ignore_errors=True)
+    if not out.is_file():
+        b.row("exchange.load", "exchange", "bench/exchange_load.py", "failed", "",
+              (p.stderr.strip().splitlines() or ["?"])[-1][:100])
+        return
+    result = json.loads(out.read_text())
+    entry = result[0] if isinstance(result, list) and result else {}
+    b.data["exchange_load"] = result
+    cpu_ms = entry.get("applier_cpu_ms_per_update")
+    if not cpu_ms:
+        b.row("exchange.load", "exchange", "bench/exchange_load.py", "see JSON")
+        return
+    b.row("exchange.load", "exchange", f"applier on HEP-size updates (bench/exchange_load.py, {groups} groups)",
+          f"{cpu_ms:.1f} ms CPU/update", f"≈{1e3 / cpu_ms:.0f} updates/s per core",
+          f"offered {entry.get('offered_per_s', 0):.0f}/s, applied {entry.get('applied_per_s', 0):.0f}/s, "
+          f"publish {entry.get('publish_ms_mean', 0):.0f} ms, ledger "
+          f"{'OK' if entry.get('ledger', {}).get('ok') else 'FAILED'}", number=cpu_ms)
+
+
+def section_hybrid(b: Bench) -> None:
+    files = generated(b, b.args.hybrid_events, 32)
+    res = b.data.setdefault("hybrid", {"runs": {}, "steps": b.args.hybrid_steps,
+                                       "batch_per_rank": 8, "slow_shard": 3, "slow_factor": 2.0})
+    configs = [("1x4", 4), ("2x2", 2), ("4x1", 1)]
+    snapshots: dict[str, list[tuple[float, str, int]]] = {}
+    for name, group_size in configs:
+        groups = 4 // group_size
+        snap_dir = b.work / "snapshots" / name
+        shutil.rmtree(snap_dir, ignore_errors=True)
+        snap_dir.mkdir(parents=True)
+        state = {"cancelled": False, "linked": set(), "last_link": 0.0}
+
+        def watch(run_dir: Path, groups=groups, snap_dir=snap_dir, state=state) -> None:
+            if groups > 1:
+                wdir = run_dir / "exchange" / "weights"
+                try:
+                    names = sorted(p.name for p in wdir.iterdir() if p.name.startswith("w-v"))
+                except FileNotFoundError:
+                    names = []
+                now = time.monotonic()
+                if names and names[-1] not in state["linked"] and now - state["last_link"] >= SNAPSHOT_EVERY_S:
+                    try:
+                        os.link(wdir / names[-1], snap_dir / names[-1])
+                        state["linked"].add(names[-1])
+                        state["last_link"] = now
+                    except (FileNotFoundError, FileExistsError):
+                        pass
+            if groups > 1 and not state["cancelled"]:
+                for g in range(groups):
+                    try:
+                        s = json.loads((run_dir / "groups" / str(g) / "state.json").read_text())
+                    except (FileNotFoundError, json.JSONDecodeError):
+                        continue
+                    if s.get("state") == "finished":
+                        # the first group done ends the race (the slowed one would need 2x longer)
+                        subprocess.run([HPCDL, "cancel", str(run_dir)], capture_output=True, cwd=b.work)
+                        state["cancelled"] = True
+                        break
+
+        log(f"hybrid: {name} ({groups} group(s) of {group_size} rank(s)), rank 3 slowed 2x, "
+            f"{b.args.hybrid_steps} steps per group")
+        run_dir, t0, proc = submit(
+            b, f"hybrid-{name}", [
+                *data_sets(files), f"train.steps={b.args.hybrid_steps}", "train.batch_per_rank=8",
+                "train.log_every=10", "train.checkpoint_every=10", "train.keep_checkpoints=1000",
+                "data.chunk_events=512",
+            ], nodes=4, group_size=group_size,
+            env={"PYTHONPATH": str(HOOKS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                 "HPCDL_BENCH_SLOW_SHARD": "3", "HPCDL_BENCH_SLOW_FACTOR": "2"},
+            watch=watch)
+        wall = time.time() - t0
+        if run_dir is None:
+            raise BenchError(f"hybrid {name}: no run ({proc.returncode}): {proc.stderr[-2000:]}")
+        per_group = {g: metrics(run_dir, g) for g in range(groups)}
+        snaps: list[tuple[float, str, int]] = []
+        if groups == 1:
+            times = {m["step"]: m["time"] for m in per_group[0]}
+            for index in (run_dir / "checkpoints" / "0").glob("ckpt-*.index"):
+                stepno = int(index.name.split("-")[1].split(".")[0])
+                if stepno in times:
+                    snaps.append((times[stepno] - t0, str(index.with_suffix("")), stepno))
+        else:
+            for p in snap_dir.iterdir():
+                snaps.append((p.stat().st_mtime - t0, str(p), int(p.name[3:].split(".")[0])))
+        snaps.sort()
+        snapshots[name] = snaps
+        hooked = any("slowed" in (run_dir / "groups" / str(g) / f"rank{r}.log").read_text(errors="replace")
+                     for g in range(groups) for r in range(group_size)
+                     if (run_dir / "groups" / str(g) / f"rank{r}.log").is_file())
+        res["runs"][name] = {
+            "groups": groups, "group_size": group_size, "wall_s": wall, "returncode": proc.returncode,
+            "cancelled_at_first_finish": state["cancelled"], "slow_hook_seen": hooked,
+            "steps_done": {g: (m[-1]["step"] if m else 0) for g, m in per_group.items()},
+            "first_metrics_s": min((m[0]["time"] - t0 for m in per_group.values() if m), default=None),
+            "exchange_overhead": [o for o in (exchange_overhead(m) for m in per_group.values()) if o] or None,
+            "run_dir": str(run_dir), "stats": json.loads((run_dir / "stats.json").read_text()),
+            "snapshots": len(snaps),
+        }
+    # AUC against time, evaluated after the runs (so scoring does not compete with training)
+    log("hybrid: scoring the snapshots (AUC on the validation file)")
+    scorer = Probe("eval", ["--role", "eval", "--image", "32"], b.logdir)
+    try:
+        for name, _ in configs:
+            run = res["runs"][name]
+            snaps = snapshots[name]
+            found = first_crossing(scorer, snaps, run, files)
+            run.update(found)
+    finally:
+        scorer.close()
+    base = res["runs"]["1x4"].get("time_to_auc_s")
+    for name, _ in configs:
+        run = res["runs"][name]
+        t = run.get("time_to_auc_s")
+        value = f"{t:.0f} s" if t is not None else f"not reached (best {run.get('best_auc', 0):.3f})"
+        ratio = f"{base / t:.2f}x faster than 1x4" if (t and base and name != "1x4") else ""
+        what = {"1x4": "1×4 synchronous (one group)", "2x2": "2×2 hybrid", "4x1": "4×1 hybrid (all async)"}[name]
+        note = (f"{run.get('at', '')}; run {run['wall_s']:.0f} s, first step at {run['first_metrics_s'] or 0:.0f} s"
+                + ("" if run["slow_hook_seen"] else "; SLOW HOOK NOT SEEN"))
+        b.row(f"hybrid.{name}", "hybrid", f"{what}: wall time to AUC {AUC_TARGET}", value, ratio, note, number=t)
+
+
+def first_crossing(scorer: Probe, snaps, run: dict, files) -> dict:
+    """The first snapshot with AUC ≥ target: a coarse pass over every 3rd, then the gap before."""
+    metric = "auc_unweighted"
+    cache: dict[int, dict] = {}
+
+    def score(indices):
+        todo = [i for i in indices if i not in cache]
+        if todo:
+            out = scorer.ask(op="auc", snapshots=[snaps[i][1] for i in todo], stats=run["stats"],
+                             model={}, input_shape=[32, 32, 3], data=[str(files["val"])],
+                             run_dir=run["run_dir"])
+            for i, r in zip(todo, out["results"]):
+                cache[i] = r
+        return [cache[i] for i in indices]
+
+    if not snaps:
+        return {"time_to_auc_s": None, "best_auc": 0.0, "at": "no snapshots"}
+    coarse = list(range(0, len(snaps), 3))
+    if coarse[-1] != len(snaps) - 1:
+        coarse.append(len(snaps) - 1)
+    first = None
+    for i, r in zip(coarse, score(coarse)):
+        if r[metric] >= AUC_TARGET:
+            first = i
+            break
+    if first is not None:
+        lo = coarse[coarse.index(first) - 1] + 1 if coarse.index(first) > 0 else 0
+        for i, r in zip(range(lo, first), score(list(range(lo, first)))):
+            if r[metric] >= AUC_TARGET:
+                first = i
+                break
+    curve = [(round(snaps[i][0], 1), snaps[i][2], round(cache[i][metric], 4), round(cache[i]["auc_weighted"], 4))
+             for i in sorted(cache)]
+    out = {"auc_metric": metric, "curve": curve, "best_auc": max(c[2] for c in curve)}
+    if first is None:
+        out.update(time_to_auc_s=None, at=f"best {metric} {out['best_auc']:.3f}")
+    else:
+        t, _path, n = snaps[first]
+        kind = "step" if snaps[first][1].find("ckpt-") >= 0 else "master version"
+        out.update(time_to_auc_s=t, at=f"at {kind} {n}, {metric} {cache[first][metric]:.3f}")
+    return out
+
+
+def section_plan(b: Bench) -> None:
+    from hpcdl.perf.planner import PlanInputs, plan
+
+    node = b.data.get("sustained", {}).get("metrics")
+    if node:
+        flops = node[-1]["sustained_flops_per_s_group"]
+        source = "bench: sustained FLOP/s of one rank on this machine (hpcdl submit)"
+    elif b.data.get("step", {}).get("step_flops"):
+        flops = best(b.data["step"]["step_flops"])
+        source = "bench: best HEP step FLOP/s on this machine"
+    else:
+        return
+    inputs = PlanInputs.measured_here(flops, batch_per_node=b.args.batch, source=source)
+    xf = b.data.get("exchange_files")
+    if xf:
+        inputs = inputs.with_values("bench: update-file write MB/s on this disk (HMAC, fsync)",
+                                    exchange_bandwidth=float(xf["write_Bps"]))
+    xl = b.data.get("exchange_load")
+    if isinstance(xl, list) and xl and xl[0].get("applier_cpu_ms_per_update"):
+        inputs = inputs.with_values("bench: bytes per applier CPU-second (bench/exchange_load.py)",
+                                    applier_bytes_per_s=xl[0]["update_bytes"] / (xl[0]["applier_cpu_ms_per_update"] / 1e3))
+    p = plan(inputs, 9600)
+    b.data["plan"] = p.to_dict()
+    if p.recommended:
+        c = p.candidate(p.recommended)
+        b.row("plan.9600", "plan", "9600 nodes like this one (hpcdl plan, measured inputs)",
+              f"{c.sustained_flops / 1e12:.1f} TFLOP/s", f"{p.recommended} groups",
+              f"step {c.step_s:.1f} s, staleness {c.staleness_mean:.1f}; other inputs ASSUMED (see JSON)",
+              number=c.sustained_flops)
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    from hpcdl.tuning import read_cpuinfo, usable_cores
+
+    cpu = read_cpuinfo()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    virt = ""
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        m = re.search(r"Hypervisor vendor:\s*(\S+)", lscpu)
+        virt = m.group(1) if m else ""
+    except OSError:
+        pass
+    from importlib import metadata
+
+    versions = {}
+    for dist in ("tensorflow-cpu", "tensorflow", "horovod", "numpy", "h5py"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            pass
+    return {"cpu": cpu.model, "isa": cpu.vector_isa, "versions": versions, "bf16": cpu.bf16, "usable_cores": usable_cores(),
+            "hypervisor": virt, "host": socket.gethostname(), "python": platform.python_version(),
+            "commit": commit, "mem_available_gb": round(mem_available_gb(), 1)}
+
+
+def render(b: Bench, m: dict, previous: dict | None) -> str:
+    head = (f"hpcdl bench — {m['cpu']}{' (' + m['hypervisor'] + ')' if m['hypervisor'] else ''}, "
+            f"{m['usable_cores']} cores, {m['isa']}, TF "
+            f"{m['versions'].get('tensorflow-cpu') or m['versions'].get('tensorflow', '?')}, "
+            f"commit {m['commit']}, {b.data['started']}; load avg {b.data['load_start']:.1f} → "
+            f"{b.data['load_end']:.1f}; {b.data['elapsed_s'] / 60:.1f} min")
+    cols = ["section", "measurement", "value", "ratio", "notes"]
+    prev = {}
+    if previous:
+        prev = {r["key"]: r for r in previous.get("rows", [])}
+        cols.insert(4, "previous")
+    rows = []
+    for r in b.rows:
+        cells = [r.section, r.what, r.value, r.ratio, r.note]
+        if previous:
+            cells.insert(4, prev.get(r.key, {}).get("value", "-"))
+        rows.append(cells)
+    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(cols)]
+    widths[-1] = len(cols[-1])
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    out = [head, "", line(cols), line(["-" * w for w in widths[:-1]] + ["-----"])]
+    out += [line(r) for r in rows]
+    out.append("")
+    out.append(f"peak = the best float32 matrix multiply of this run, numpy sgemm or TensorFlow matmul "
+               f"({gf(b.peak)}); each figure is the best of its rounds (medians in notes): the machine "
+               f"is shared and figures move with its load.")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-bench"), help="data cache and scratch runs")
+    ap.add_argument("--json", type=Path, help="results file (default bench/results/<date>.json)")
+    ap.add_argument("--compare", help="an earlier results JSON, or 'latest'")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps: a smoke test, not figures")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32, help="batch per rank of the 224² step and run")
+    ap.add_argument("--tuning-batch", type=int, default=16)
+    ap.add_argument("--step-n", type=int, default=1, help="timed float32 steps per round")
+    ap.add_argument("--sgemm-n", type=int, default=4096)
+    ap.add_argument("--sustained-steps", type=int, default=12)
+    ap.add_argument("--sustained-log-every", type=int, default=3)
+    ap.add_argument("--sustained-events", type=int, default=600)
+    ap.add_argument("--reader-seconds", type=float, default=4.0)
+    ap.add_argument("--exchange-files", type=int, default=20)
+    ap.add_argument("--exchange-steps", type=int, default=60)
+    ap.add_argument("--no-exchange-load", action="store_true", help="do not run bench/exchange_load.py")
+    ap.add_argument("--hybrid-steps", type=int, default=220)
+    ap.add_argument("--hybrid-events", type=int, default=6000)
+    ap.add_argument("--keep", action="store_true", help="keep the scratch runs under --work")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.sustained_steps, args.hybrid_steps = 1, 4, 40
+        args.sustained_log_every, args.exchange_files, args.reader_seconds = 2, 5, 2.0
+        args.sgemm_n, args.exchange_steps, args.no_exchange_load = 2048, 20, True
+    chosen = args.only.split(",") if args.only else list(SECTIONS)
+    chosen = [s.strip() for s in chosen if s.strip() and s.strip() not in args.skip.split(",")]
+    bad = [s for s in chosen if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section(s) {', '.join(bad)} (known: {', '.join(SECTIONS)})")
+    args.sections = chosen
+    args.work.mkdir(parents=True, exist_ok=True)
+    logdir = args.work / "logs"
+    logdir.mkdir(exist_ok=True)
+    b = Bench(args=args, work=args.work, logdir=logdir)
+    b.data.update(started=time.strftime("%Y-%m-%d %H:%M"), load_start=loadavg(), sections=chosen)
+    t_start = time.time()
+    m = machine()
+    log(f"{m['cpu']}, {m['usable_cores']} cores; sections: {', '.join(chosen)}; load {loadavg():.1f}")
+    failures = {}
+
+    def run(name, fn, *a):
+        t = time.time()
+        try:
+            fn(*a)
+        except Exception as exc:  # one section failing leaves the others' figures
+            failures[name] = f"{type(exc).__name__}: {exc}"
+            b.row(f"{name}.failed", name, "section failed", "-", "", str(exc).splitlines()[0][:100])
+        b.data.setdefault("section_seconds", {})[name] = round(time.time() - t, 1)
+
+    try:
+        if "sgemm" in chosen or "step" in chosen:
+            run("step", section_sgemm_step, b, "sgemm" in chosen, "step" in chosen)
+        if "tuning" in chosen:
+            run("tuning", section_tuning, b)
+        b.close_tf()
+        if "sustained" in chosen:
+            run("sustained", section_sustained, b)
+        if "reader" in chosen:
+            run("reader", section_reader, b)
+        if "hybrid" in chosen:
+            run("hybrid", section_hybrid, b)
+        if "exchange" in chosen:
+            run("exchange", section_exchange_files, b)
+            run("exchange-overhead", section_exchange_overhead, b)
+            run("exchange-load", section_exchange_load, b)
+        if "plan" in chosen:
+            run("plan", section_plan, b)
+    except KeyboardInterrupt:
+        failures["interrupted"] = "Ctrl-C"
+    finally:
+        b.close()
+    if not args.keep:
+        shutil.rmtree(args.work / "runs", ignore_errors=True)
+        shutil.rmtree(args.work / "snapshots", ignore_errors=True)
+    b.data.update(load_end=loadavg(), elapsed_s=time.time() - t_start, failures=failures)
+    previous = None
+    if args.compare:
+        path = Path(args.compare)
+        if args.compare == "latest":
+            olds = sorted(RESULTS.glob("*.json"))
+            path = olds[-1] if olds else None
+        previous = json.loads(path.read_text()) if path and path.is_file() else None
+    text = render(b, m, previous)
+    print(text)
+    out = args.json or RESULTS / (time.strftime("%Y-%m-%d_%H%M%S") + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": m, "args": {k: (str(v) if isinstance(v, Path) else v)
+                                                      for k, v in vars(args).items()},
+                               "rows": [r.__dict__ for r in b.rows], "data": b.data, "table": text},
+                              indent=1, default=str))
+    print(f"\nresults: {out}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
