@@ -36,6 +36,11 @@ def _die_with_parent() -> None:
         pass
 
 
+def _open_log(path: Path):
+    """Logs are the owner's alone, like everything else in a run directory, whatever the umask."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+
+
 def worker_command(python: str, run: RunDir) -> list[str]:
     return [python, "-m", "hpcdl.worker", str(run.root)]
 
@@ -74,7 +79,7 @@ class Supervisor:
         gp.rendezvous, port = start_rendezvous(envs)
         gp.procs = []
         for env in envs:
-            log = open(self.run.rank_log(gp.group, env.rank), "ab")
+            log = _open_log(self.run.rank_log(gp.group, env.rank))
             child_env = worker_environ(os.environ, env.to_horovod_env("127.0.0.1", port, iface="lo"))
             gp.procs.append(subprocess.Popen(
                 worker_command(self.python, self.run), env=child_env, stdout=log,
@@ -90,7 +95,7 @@ class Supervisor:
             gp.rendezvous = None
 
     def _start_applier(self) -> None:
-        log = open(self.run.applier_log, "ab")
+        log = _open_log(self.run.applier_log)
         self.applier = subprocess.Popen(
             applier_command(self.python, self.run), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
@@ -210,7 +215,7 @@ class LocalScheduler(Scheduler):
             finally:
                 signal.signal(signal.SIGTERM, previous)
             return {"supervisor_pid": os.getpid(), "ok": ok}
-        log = open(run.root / "scheduler" / "supervisor.log", "ab")
+        log = _open_log(run.root / "scheduler" / "supervisor.log")
         proc = subprocess.Popen(
             [dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
