@@ -125,7 +125,8 @@ def test_kill_the_applier(hep_files, tmp_path):
     wait_for(lambda: all(state(run_dir, g).get("step", 0) > s for g, s in zip((0, 1), steps_at_kill)),
              what="both groups going on")
     finish(proc)
-    applied_exactly_once(run_dir)
+    status = applied_exactly_once(run_dir)
+    assert status["counts"]["applied"] > 0 and set(status["last_seq"]) == {"0", "1"}
 
 
 def test_bad_files_in_the_exchange_are_rejected_and_the_run_goes_on(hep_files, tmp_path):

@@ -381,6 +381,7 @@ def test_write_scores_csv_format(tmp_path):
 
 def test_write_scores_single_class_is_fine(tmp_path):
     m.write_scores(tmp_path / "s.npz", np.arange(3), [0.1, 0.2, 0.3], [1, 1, 1])
+    assert list(np.load(tmp_path / "s.npz")["label"]) == [1, 1, 1]
 
 
 @pytest.mark.parametrize("name", ["s.txt", "s.npy", "s", "s.npz.bak"])
