@@ -120,6 +120,7 @@ class TfProbe:
             key, _, value = item.partition("=")
             os.environ[key] = value
         self.extra_env = list(args.env)
+        self.cores = usable_cores()  # CPU share of a step: CPU seconds / (wall × these)
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import tensorflow as tf
 
@@ -207,7 +208,7 @@ class TfProbe:
             fn(data).numpy()
             wall = time.perf_counter() - t
             times.append(wall)
-            shares.append((cpu_seconds() - c) / (wall * self.plan.intra_op))
+            shares.append((cpu_seconds() - c) / (wall * self.cores))
         return {"batch": batch, "precision": precision, "seconds": times, "cpu_share": shares,
                 "flops": float(self._model().flops().training * batch)}
 
