@@ -58,6 +58,23 @@ def rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def timed(fn, cmd) -> list[float]:
+    """Seconds per call, `reps` samples; each sample repeats the call for at least `min_seconds`
+    (so a peak is measured over the same time scale as the training step it is compared with,
+    not over one short burst)."""
+    out = []
+    for _ in range(int(cmd.get("reps", 2))):
+        calls, t = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - t
+            if elapsed >= float(cmd.get("min_seconds", 0.0)):
+                break
+        out.append(elapsed / calls)
+    return out
+
+
 # -- numpy ------------------------------------------------------------------------------------
 
 
@@ -95,12 +112,8 @@ class NumpyProbe:
             np.matmul(a, b, out=c)  # warm-up: threads started, pages touched
             self.mats = {n: (a, b, c)}
         a, b, c = self.mats[n]
-        times = []
-        for _ in range(int(cmd.get("reps", 2))):
-            t = time.perf_counter()
-            np.matmul(a, b, out=c)
-            times.append(time.perf_counter() - t)
-        return {"n": n, "flops": 2.0 * n ** 3, "seconds": times}
+        return {"n": n, "flops": 2.0 * n ** 3,
+                "seconds": timed(lambda: np.matmul(a, b, out=c), cmd)}
 
 
 # -- TensorFlow -------------------------------------------------------------------------------
@@ -223,12 +236,8 @@ class TfProbe:
             fn = tf.function(lambda: tf.reduce_sum(tf.cast(tf.linalg.matmul(a, b)[:1, :1], tf.float32)))
             fn().numpy()
             self.steps[key] = fn
-        times = []
-        for _ in range(int(cmd.get("reps", 2))):
-            t = time.perf_counter()
-            self.steps[key]().numpy()
-            times.append(time.perf_counter() - t)
-        return {"n": n, "dtype": dtype, "flops": 2.0 * n ** 3, "seconds": times}
+        fn = self.steps[key]
+        return {"n": n, "dtype": dtype, "flops": 2.0 * n ** 3, "seconds": timed(lambda: fn().numpy(), cmd)}
 
     def auc(self, cmd):
         """AUCs of snapshots: [{"path": ckpt prefix or .hx file}, ...] on cmd["data"]."""
