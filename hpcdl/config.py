@@ -19,7 +19,9 @@ from typing import Any, Mapping
 
 import tomli_w
 
-JOBS_DIR = Path(__file__).resolve().parent.parent / "jobs"
+from hpcdl.resources import shipped_dir
+
+JOBS_DIR = shipped_dir("jobs")
 
 
 class JobError(ValueError):

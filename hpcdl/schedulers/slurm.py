@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.config import Job, JobError
+from hpcdl.resources import shipped_dir
 from hpcdl.runs import RunDir, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
-TEMPLATES_DIR = Path(__file__).resolve().parents[2] / "slurm_templates"
+TEMPLATES_DIR = shipped_dir("slurm_templates")
 GROUP_SCRIPT = "scheduler/group.sbatch"
 APPLIER_SCRIPT = "scheduler/applier.sbatch"
 JOBS_FILE = "scheduler/slurm.json"
