@@ -5,7 +5,9 @@
   hand over to `hpcdl.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
 * `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
-  group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit.
+  group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit. With
+  `--slurm-array` it also ends, after the backlog, once SLURM holds no element of the group array
+  (a cancelled or failed group never reports "finished").
 
 This is the glue between a scheduler and the engine; neither knows the other.
 """
@@ -19,6 +21,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 from hpcdl.launch import RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
@@ -71,7 +74,31 @@ def groups_finished(run: RunDir, groups: int) -> bool:
     return True
 
 
-def serve_applier(run: RunDir, job) -> int:
+class SlurmArrayGone:
+    """True once SLURM has held no element of the run's group array at two polls in a row.
+
+    Polled at most every `poll_s`; two sightings, so an element between its end and its requeue
+    is not taken for the end of the run. An unreachable controller counts as "still there".
+    """
+
+    def __init__(self, run: RunDir, poll_s: float = 30.0, sightings: int = 2):
+        from hpcdl.schedulers.slurm import SlurmScheduler
+
+        self.run, self.poll_s, self.sightings = run, poll_s, sightings
+        self.scheduler = SlurmScheduler()
+        self.next_poll, self.seen = 0.0, 0
+
+    def __call__(self) -> bool:
+        if time.monotonic() >= self.next_poll:
+            self.next_poll = time.monotonic() + self.poll_s
+            self.seen = self.seen + 1 if self.scheduler.groups_active(self.run) is False else 0
+            if self.seen == self.sightings:
+                print("hpcdl applier: no element of the group array is queued or running any more; "
+                      "stopping once the backlog is applied", file=sys.stderr, flush=True)
+        return self.seen >= self.sightings
+
+
+def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None) -> int:
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier
@@ -94,7 +121,10 @@ def serve_applier(run: RunDir, job) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
     signal.signal(signal.SIGUSR1, lambda *_: (requeue.update(asked=True), applier.request_stop()))
-    done = lambda: groups_finished(run, job.run.groups) and channel.backlog() == 0  # noqa: E731
+    def done() -> bool:
+        over = groups_finished(run, job.run.groups) or (array_gone is not None and array_gone())
+        return over and channel.backlog() == 0
+
     with applier:
         applier.run(stop=done)
     return EXIT_REQUEUE if requeue["asked"] else 0
@@ -108,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--rendezvous", action="store_true", help="serve a SLURM group's rendezvous")
     mode.add_argument("--applier", action="store_true", help="run the exchange's applier")
     parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
+    parser.add_argument("--slurm-array", action="store_true",
+                        help="with --applier: also stop once SLURM holds no element of the group array")
     args = parser.parse_args(argv)
 
     # Installed first: SLURM's warning signal may come while TensorFlow is still loading.
@@ -120,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         return serve_rendezvous(run, job, args.port_file)
     if args.applier:
-        return serve_applier(run, job)
+        return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None)
     report = {}
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)

@@ -261,6 +261,19 @@ class SlurmScheduler(Scheduler):
         except FileNotFoundError:
             raise SchedulerError(f"{run.root} has no SLURM job ids: was it submitted?") from None
 
+    def groups_active(self, run: RunDir) -> bool | None:
+        """Whether SLURM still holds an element of the run's group array (queued, running or
+        requeued); None when it cannot tell (not submitted yet, controller unreachable)."""
+        try:
+            array = self._ids(run)["slurm_array_job_id"]
+            proc = _run(["squeue", "-h", "-r", "-j", array, "-o", "%i"])
+        except SchedulerError:
+            return None
+        if proc.returncode == 0:
+            return bool(proc.stdout.strip())
+        # Past MinJobAge an ended job is forgotten: squeue then calls its id invalid.
+        return False if "Invalid job id" in proc.stderr else None
+
     def describe(self, run: RunDir) -> dict[str, Any]:
         ids = self._ids(run)
         job_ids = [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]

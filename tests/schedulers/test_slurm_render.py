@@ -127,3 +127,58 @@ def test_parse_scontrol_config():
 ])
 def test_state_mapping(raw, state):
     assert map_state(raw) == state
+
+
+def fake_squeue(monkeypatch, answers):
+    """squeue answers in turn: (returncode, stdout, stderr); records each command."""
+    import hpcdl.schedulers.slurm as slurm
+
+    calls = []
+
+    def run(cmd, timeout=30.0):
+        calls.append(cmd)
+        code, out, err = answers.pop(0)
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+    monkeypatch.setattr(slurm, "_run", run)
+    return calls
+
+
+def submitted_run(tmp_path):
+    (tmp_path / "scheduler").mkdir()
+    (tmp_path / "scheduler/slurm.json").write_text('{"slurm_array_job_id": "41", "slurm_applier_job_id": "40"}')
+    return RunDir(tmp_path)
+
+
+@pytest.mark.parametrize("answer, active", [
+    ((0, "41_0\n41_1\n", ""), True),                                    # running or pending
+    ((0, "", ""), False),                                               # known, but all ended
+    ((1, "", "slurm_load_jobs error: Invalid job id specified"), False),  # ended and forgotten
+    ((1, "", "slurm_load_jobs error: Unable to contact slurm controller"), None),
+])
+def test_groups_active(monkeypatch, tmp_path, answer, active):
+    calls = fake_squeue(monkeypatch, [answer])
+    assert SlurmScheduler().groups_active(submitted_run(tmp_path)) is active
+    assert calls == [["squeue", "-h", "-r", "-j", "41", "-o", "%i"]]
+
+
+def test_groups_active_before_the_array_is_submitted(tmp_path):
+    assert SlurmScheduler().groups_active(RunDir(tmp_path)) is None
+
+
+def test_the_applier_stops_waiting_after_two_sightings_of_an_empty_array(monkeypatch, tmp_path):
+    from hpcdl.worker import SlurmArrayGone
+
+    fake_squeue(monkeypatch, [(0, "", ""), (0, "41_1\n", ""), (0, "", ""),
+                              (1, "", "Unable to contact slurm controller"), (0, "", ""), (0, "", "")])
+    gone = SlurmArrayGone(submitted_run(tmp_path), poll_s=0.0)
+    # empty, then requeued (seen again), empty, unreachable (unknown: not gone), empty, empty
+    assert [gone() for _ in range(6)] == [False, False, False, False, False, True]
+
+
+def test_the_applier_polls_squeue_at_most_every_poll_interval(monkeypatch, tmp_path):
+    from hpcdl.worker import SlurmArrayGone
+
+    calls = fake_squeue(monkeypatch, [(0, "", "")])
+    gone = SlurmArrayGone(submitted_run(tmp_path), poll_s=3600.0)
+    assert [gone() for _ in range(50)] == [False] * 50 and len(calls) == 1

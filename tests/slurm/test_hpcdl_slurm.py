@@ -90,14 +90,16 @@ def test_scancel_one_element_the_rest_goes_on(slurm_cluster, hep_files, tmp_path
     assert done["groups"][0]["step"] == 150 and done["groups"][1]["step"] < 150
     assert done["applier"]["applied"] > 0
     assert time.monotonic() - cancelled_at > 1  # group 0 trained on after the cancel
-    # A cancelled group never finishes, so the applier waits for it: the user cancels the run
-    # (twice here: it is harmless).
-    assert "cancelled" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
-    hpcdl("cancel", str(run_dir), cwd=tmp_path)
-    deadline = time.monotonic() + 60
+    # A cancelled group never reports "finished": the applier ends once SLURM holds no element
+    # of the array (two squeue polls 30 s apart), without the user cancelling the run.
+    deadline = time.monotonic() + 240
     while not queue_empty([array, sub["slurm_applier_job_id"]]) and time.monotonic() < deadline:
-        time.sleep(1)
+        time.sleep(2)
     assert queue_empty([array, sub["slurm_applier_job_id"]])
+    applier_log = "\n".join(p.read_text() for p in run_dir.glob("applier-*.out"))
+    assert "no element of the group array is queued or running" in applier_log
+    # Cancelling a run that has ended is harmless.
+    assert "cancelled" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
 
 
 def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path):
