@@ -10,7 +10,7 @@ import sysconfig
 from pathlib import Path
 
 from hpcdl.resources import SOURCE_ROOT, shipped_dir
-from tests.conftest import REPO
+from tests.conftest import HPCDL, REPO
 
 
 def test_a_checkout_uses_its_own_files():
@@ -31,7 +31,9 @@ def test_an_installed_wheel_finds_jobs_and_templates(tmp_path):
                    check=True, cwd=tmp_path)
     prefix = tmp_path / "prefix"
     (wheel,) = (tmp_path / "dist").glob("hpcdl-*.whl")
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--prefix", str(prefix), str(wheel)], check=True)
+    # --ignore-installed: without it pip uninstalls the checkout's editable hpcdl from this venv.
+    subprocess.run([*pip, "install", "--ignore-installed", "--no-deps", "--no-index", "--prefix", str(prefix),
+                    str(wheel)], check=True)
     site = Path(sysconfig.get_path("purelib", vars={"base": str(prefix), "platbase": str(prefix)}))
     assert (prefix / "share/hpcdl/jobs/hep.toml").is_file()
 
@@ -45,3 +47,4 @@ def test_an_installed_wheel_finds_jobs_and_templates(tmp_path):
     assert Path(module_file).is_relative_to(site)  # the installed copy, not the checkout
     assert "#SBATCH --nodes=2" in script and "sbatch --parsable --array=0-1 " in script
     assert not (tmp_path / "runs").exists()  # a dry run writes nothing
+    assert Path(HPCDL).is_file()  # the venv's own hpcdl is still installed
