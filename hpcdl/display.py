@@ -93,7 +93,8 @@ def storage_warnings(warnings: list[Mapping[str, Any]]):
 def metrics_table(title: str, metrics: Mapping[str, Any]) -> Table:
     table = Table(title=title, title_justify="left", show_header=False)
     table.add_column("metric")
-    table.add_column("value", justify="right")
+    numbers = all(isinstance(v, (int, float)) for v in metrics.values())
+    table.add_column("value", justify="right" if numbers else "left")  # digits align; prose reads
     for key, value in metrics.items():
         if isinstance(value, float):
             value = f"{value:.4f}"
