@@ -260,7 +260,7 @@ def data_generate(workload, out_dir, events, image_size, images, height, width, 
 @click.argument("workload", type=click.Choice(["hep"]))
 @click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
-@click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status).")
+@click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
 @click.option("--groups", "group_counts", help="Comma-separated group counts to compare (default: divisors of --nodes up to 128).")
 @click.option("--staleness-bound", default=8.0, show_default=True, type=click.FloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
 @click.option("--seed", default=0, show_default=True, type=int)
@@ -272,11 +272,20 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, staleness_bound
 
     if inputs_spec and node_flops:
         raise click.UsageError("give --inputs or --node-flops, not both")
+    source = "--node-flops"
     if not inputs_spec and not node_flops:
-        raise click.UsageError("give --node-flops (measure it with `make bench`) or --inputs paper|FILE")
+        from hpcdl.perf.measure import measure_in_subprocess
+
+        err.print("measuring this machine's HEP training step (about 30 s; --node-flops skips this)")
+        try:
+            here = measure_in_subprocess()
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
+        node_flops = here["node_flops"]
+        source = (f"measured here: best of {here['steps']} HEP steps, batch {here['batch']} at "
+                  f"{here['image']}², {here['threads']}")
     try:
-        inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(
-            node_flops, source="--node-flops")
+        inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(node_flops, source=source)
         counts = [int(c) for c in group_counts.split(",")] if group_counts else None
         result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound)
     except ValueError as exc:

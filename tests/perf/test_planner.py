@@ -309,6 +309,36 @@ def test_output_is_json_and_prints_every_assumption():
     assert sum("★" in r[-1] for r in rows) == 1
 
 
+def test_measure_times_the_hep_step_here():
+    out = subprocess.run([sys.executable, "-m", "hpcdl.perf.measure", "--json", "--image=32", "--batch=4",
+                          "--steps=2"], capture_output=True, text=True, timeout=300, check=True)
+    here = json.loads(out.stdout)
+    flops, _ = hep_network(image=(32, 32, 3))
+    assert here["step_s"] > 0 and here["steps"] == 2 and "intra-op" in here["threads"]
+    assert here["node_flops"] * here["step_s"] == pytest.approx(flops.training * 4)
+
+
+def test_plan_without_inputs_measures_this_machine(monkeypatch):
+    from click.testing import CliRunner
+
+    import hpcdl.perf.measure as measure
+    from hpcdl.cli import main
+
+    asked = []
+    monkeypatch.setattr(measure, "measure_in_subprocess", lambda **kw: asked.append(kw) or {
+        "node_flops": 1.5e11, "step_s": 3.3, "steps": 2, "batch": 32, "image": 224, "threads": "threads: x"})
+    result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "64", "--json"], catch_exceptions=False)
+    assert result.exit_code == 0 and asked == [{}]
+    out = json.loads(result.stdout)
+    assert out["inputs"]["node_flops"] == 1.5e11
+    assert out["inputs"]["sources"]["node_flops"].startswith("measured here: best of 2 HEP steps")
+
+    monkeypatch.setattr(measure, "measure_in_subprocess",
+                        lambda **kw: (_ for _ in ()).throw(RuntimeError("measuring this machine failed: boom")))
+    result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "64"])
+    assert result.exit_code == 1 and "measuring this machine failed: boom" in result.output
+
+
 def test_runtime_under_two_seconds_for_9600_nodes():
     for inputs in (PlanInputs.paper_cori_hep(), PlanInputs.measured_here(50e9)):
         start = time.perf_counter()
