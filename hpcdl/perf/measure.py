@@ -58,7 +58,8 @@ def measure(steps: int = 2, batch: int = 32, image: int = 224) -> dict[str, Any]
         seconds.append(time.perf_counter() - start)
     flops = model.flops().training * batch
     return {"node_flops": flops / min(seconds), "step_s": min(seconds), "steps": steps, "batch": batch,
-            "image": image, "threads": plan.describe().split(" — ")[0]}
+            "image": image, "threads": f"intra-op {plan.intra_op}, inter-op {plan.inter_op}, "
+                       f"oneDNN {'on' if plan.onednn else 'off'}, {plan.precision}"}
 
 
 def measure_in_subprocess(**kwargs: Any) -> dict[str, Any]:
