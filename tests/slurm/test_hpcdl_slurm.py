@@ -118,7 +118,9 @@ def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path)
 def test_time_limit_signal_checkpoints_and_requeues(slurm_cluster, hep_files, tmp_path):
     # A 1-minute limit with USR1 58 s before it: the signal comes soon after the start (SLURM
     # checks limits about every 30 s); the group checkpoints, exits 75 and requeues itself.
-    sub = submit(hep_files, tmp_path, 400, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
+    # Steps enough that no machine finishes before the signal (400 tiny steps take ~4 s on a fast
+    # core); the test cancels the run.
+    sub = submit(hep_files, tmp_path, 1_000_000, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
                  nodes=2, group_size=2)
     run_dir = Path(sub["run_dir"])
     done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["restarts"] >= 1 and s["groups"][0]["step"] > 0,
