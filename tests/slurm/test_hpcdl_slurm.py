@@ -117,7 +117,7 @@ def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path)
 
 def test_time_limit_signal_checkpoints_and_requeues(slurm_cluster, hep_files, tmp_path):
     # A 1-minute limit with USR1 58 s before it: the signal comes soon after the start (SLURM
-    # checks limits about every 30 s); the group checkpoints, exits 75 and requeues itself.
+    # checks limits about every 30 s); the group checkpoints, leaves a requeue mark and requeues itself.
     # Steps enough that no machine finishes before the signal (400 tiny steps take ~4 s on a fast
     # core); the test cancels the run.
     sub = submit(hep_files, tmp_path, 1_000_000, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
