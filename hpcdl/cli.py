@@ -135,13 +135,24 @@ def _read_state(path: Path) -> dict:
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until the run ends (Ctrl-C stops).")
 @click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2))
-def status(run, runs_dir, as_json, watch, interval):
+@click.option("--plot", type=click.Path(dir_okay=False, writable=True, path_type=Path),
+              help="Also write the run's curves (loss, FLOP/s per group and in all, master versions) to this PNG.")
+def status(run, runs_dir, as_json, watch, interval, plot):
     """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
     from hpcdl.display import status_view
     from hpcdl.runs import find_run
     from hpcdl.status import collect
 
+    if plot and watch:
+        raise click.UsageError("--plot writes one picture: use it without --watch")
     run_dir = find_run(run, runs_dir)
+    if plot:
+        from hpcdl.progress_plot import plot_run
+
+        try:
+            err.print(f"plot: {plot_run(run_dir, plot)}")
+        except (ValueError, OSError) as exc:
+            raise click.ClickException(str(exc)) from None
     if as_json:
         _emit_json(collect(run_dir))
         return

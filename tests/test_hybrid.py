@@ -87,6 +87,9 @@ def test_two_groups_of_two_train_through_the_applier(hep_files, tmp_path):
     assert shown["state"] == "finished" and shown["applier"]["applied"] == status["counts"]["applied"]
     for g in shown["groups"]:
         assert g["step"] == 40 and g["published"] == 40 and g["staleness_max"] is not None
+    png = tmp_path / "curves.png"
+    subprocess.run([HPCDL, "status", str(run_dir), "--plot", str(png)], capture_output=True, check=True)
+    assert png.read_bytes().startswith(b"\x89PNG")
     result = json.loads(subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True,
                                        text=True, check=True).stdout)
     assert result["model"].startswith("master weights v")
