@@ -121,6 +121,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
     signal.signal(signal.SIGUSR1, lambda *_: (requeue.update(asked=True), applier.request_stop()))
+
     def done() -> bool:
         over = groups_finished(run, job.run.groups) or (array_gone is not None and array_gone())
         return over and channel.backlog() == 0
