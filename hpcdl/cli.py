@@ -151,8 +151,10 @@ def status(run, runs_dir, as_json, watch, interval, plot):
 
         try:
             err.print(f"plot: {plot_run(run_dir, plot)}")
-        except (ValueError, OSError) as exc:
+        except ValueError as exc:
             raise click.ClickException(str(exc)) from None
+        except OSError as exc:
+            raise click.ClickException(f"cannot write {plot}: {exc.strerror}") from None
     if as_json:
         _emit_json(collect(run_dir))
         return
