@@ -57,10 +57,8 @@ def test_plot_and_watch_do_not_mix(tmp_path):
     assert result.exit_code == 2 and "without --watch" in result.output
 
 
-def test_unwritable_plot_path_is_one_line(tmp_path, hep_files):
-    from tests.conftest import set_args, tiny_overrides  # noqa: F401  (the fixture's helpers)
-
+def test_unwritable_plot_path_is_one_line(tmp_path):
     run = fake_run(tmp_path / "run", {0: [1e9]})
-    (tmp_path / "run" / "job.toml").write_text('workload = "hep"\\n')
+    (run.root / "job.toml").write_text("")  # what makes a directory a run for `find_run`
     result = CliRunner().invoke(main, ["status", str(run.root), "--plot", str(tmp_path / "no/such/dir/x.png")])
     assert result.exit_code == 1 and "cannot write" in result.output and "No such file" in result.output
