@@ -179,30 +179,28 @@ def status(run, runs_dir, as_json, watch, interval, plot):
 @click.argument("run", required=False)
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 def cancel(run, runs_dir):
-    """Stop every process or SLURM job of a run (safe to repeat)."""
-    from hpcdl.runs import find_run
-    from hpcdl.schedulers import get_scheduler
+    """Stop every process or SLURM job of RUN (safe to repeat). Without RUN: the newest run under
+    --runs-dir that is still queued or running, named in the answer."""
+    from hpcdl.schedulers import cancel_run
 
-    run_dir = find_run(run, runs_dir)
-    click.echo(get_scheduler(run_dir.info()["backend"]).cancel(run_dir))
+    click.echo(cancel_run(run, runs_dir))
 
 
 # -- evaluate -------------------------------------------------------------------------------------
 @main.command()
-@click.argument("checkpoint", required=False, type=click.Path(exists=True, path_type=Path))
+@click.argument("checkpoint", required=False)
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
 @click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
 def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
-    """Score a model. CHECKPOINT is a run directory, a checkpoint directory or a checkpoint prefix
-    (default: the newest run under --runs-dir). Prints the metrics and writes a ROC plot."""
-    from hpcdl.evaluate import evaluate as run_evaluate
-    from hpcdl.runs import find_run
+    """Score a model. CHECKPOINT is a run directory or run id, a checkpoint directory or a
+    checkpoint prefix such as runs/RUN/checkpoints/0/ckpt-400 (default: the newest run under
+    --runs-dir). Prints the metrics and writes a ROC plot."""
+    from hpcdl.evaluate import evaluate as run_evaluate, locate
 
-    if checkpoint is None:
-        checkpoint = find_run(None, runs_dir).root
+    checkpoint = locate(checkpoint, runs_dir)
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
         raise click.BadParameter("must end in .npz or .csv", param_hint="--scores-out")
     from hpcdl.display import counting_progress

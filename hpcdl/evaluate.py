@@ -9,11 +9,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpcdl.runs import RunDir
+from hpcdl.runs import RunDir, find_run, read_json_file
 
 
 class EvaluateError(ValueError):
     """The path is not something that holds a trained model."""
+
+
+def locate(ref: str | None, runs_dir: str | Path = "runs") -> Path:
+    """What `hpcdl evaluate` was given, as a path: None is the newest run under runs_dir (by
+    creation); a run or checkpoint directory or a checkpoint prefix (`.../ckpt-400`, which is not
+    itself a file) is taken as it is; otherwise a run id under runs_dir."""
+    if ref is None:
+        return find_run(None, runs_dir).root
+    path = Path(ref)
+    if path.exists() or Path(f"{path}.index").is_file():
+        return path
+    candidate = Path(runs_dir) / ref
+    if (candidate / "job.toml").is_file():
+        return candidate
+    raise EvaluateError(
+        f"{ref} is neither a path nor a run id under {runs_dir}/ (expected a run directory or id, "
+        "a checkpoint directory with manifest.json, or a checkpoint prefix such as .../ckpt-600)"
+    )
 
 
 def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
@@ -23,15 +41,25 @@ def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
         ckpt = run.checkpoint_dir(0)
         if not (ckpt / "manifest.json").is_file():
             raise EvaluateError(f"run {path} has no checkpoint yet")
+        _check_manifest(ckpt / "manifest.json")
         return ckpt, run
     if path.is_dir() and (path / "manifest.json").is_file():
+        _check_manifest(path / "manifest.json")
         return path, None
     if Path(str(path) + ".index").is_file() and (path.parent / "manifest.json").is_file():
+        _check_manifest(path.parent / "manifest.json")
         return path, None
     raise EvaluateError(
         f"{path} is not a checkpoint (expected a run directory, a checkpoint directory with "
         "manifest.json, or a checkpoint prefix such as .../ckpt-600)"
     )
+
+
+def _check_manifest(path: Path) -> None:
+    """A torn or foreign manifest is one line naming it, before TensorFlow loads anything."""
+    manifest = read_json_file(path)
+    if not isinstance(manifest, dict) or not all(k in manifest for k in ("job", "workload", "input_shape")):
+        raise EvaluateError(f"{path} is corrupt: not an hpcdl checkpoint manifest")
 
 
 def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,

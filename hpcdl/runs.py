@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import tempfile
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.config import Job, job_from_dict
+from hpcdl.config import Job, JobError, job_from_dict
 from hpcdl.runkey import KEY_FILE, Access, RunKeyError, access_for_job, create_key
 from hpcdl.storage import REPORT_FILE, StorageReport
 
@@ -125,21 +126,48 @@ class RunDir:
         return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())
 
     def load_job(self) -> Job:
+        if not self.job_file.is_file():
+            raise RunError(f"{self.root} is not a run directory (no job.toml)")
         try:
-            return job_from_dict(tomllib.loads(self.job_file.read_text()))
-        except FileNotFoundError:
-            raise RunError(f"{self.root} is not a run directory (no job.toml)") from None
+            return job_from_dict(read_toml_file(self.job_file))
+        except JobError as exc:
+            raise RunError(f"{self.job_file}: {exc}") from None
 
     def info(self) -> dict[str, Any]:
+        if not self.info_file.is_file():
+            raise RunError(f"{self.root} is not a run directory (no run.json)")
+        info = read_json_file(self.info_file)
+        if not isinstance(info, dict) or not isinstance(info.get("backend"), str):
+            raise RunError(f"{self.info_file} is corrupt: not a run's record (no backend)")
+        return info
+
+    def created(self) -> float:
+        """When the run was submitted: run.json's `created`, else the time in its id (a run's
+        directory and files change as it goes, so their mtimes say nothing about its age)."""
         try:
-            return json.loads(self.info_file.read_text())
-        except FileNotFoundError:
-            raise RunError(f"{self.root} is not a run directory (no run.json)") from None
+            created = json.loads(self.info_file.read_text()).get("created")
+            if isinstance(created, (int, float)):
+                return float(created)
+        except (OSError, ValueError, AttributeError):
+            pass
+        match = _ID_TIME.search(self.run_id)
+        if match:
+            try:
+                return time.mktime(time.strptime(match.group(1), "%Y%m%d-%H%M%S"))
+            except (ValueError, OverflowError):
+                pass
+        try:
+            return self.job_file.stat().st_mtime  # written once, at submit
+        except OSError:
+            return 0.0
 
     def update_info(self, **fields: Any) -> None:
         info = self.info()
         info.update(fields)
         write_json_atomic(self.info_file, info)
+
+
+_ID_TIME = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]{4}$")
 
 
 def new_run_id(job: Job) -> str:
@@ -209,8 +237,18 @@ def staged_path(run: RunDir) -> Path:
     return matches[0] if len(matches) == 1 else run.root
 
 
+def list_runs(runs_dir: str | Path = "runs") -> list[RunDir]:
+    """The runs under runs_dir, newest first by creation (see RunDir.created)."""
+    base = Path(runs_dir)
+    if not base.is_dir():
+        return []
+    runs = [RunDir(p) for p in base.iterdir()
+            if not p.name.startswith(".") and (p / "run.json").is_file()]
+    return sorted(runs, key=lambda r: (r.created(), r.run_id), reverse=True)
+
+
 def find_run(ref: str | None, runs_dir: str | Path = "runs") -> RunDir:
-    """A run by path, by id under runs_dir, or (None) the newest run there."""
+    """A run by path, by id under runs_dir, or (None) the newest run there (by creation)."""
     if ref:
         path = Path(ref)
         if not path.is_dir():
@@ -218,11 +256,40 @@ def find_run(ref: str | None, runs_dir: str | Path = "runs") -> RunDir:
         if not (path / "job.toml").is_file():
             raise RunError(f"no run at {ref!r} (give a run directory or a run id under {runs_dir}/)")
         return RunDir(path)
-    base = Path(runs_dir)
-    candidates = [p for p in base.iterdir() if (p / "run.json").is_file()] if base.is_dir() else []
-    if not candidates:
-        raise RunError(f"no runs under {base}/ (start one with `hpcdl submit`)")
-    return RunDir(max(candidates, key=lambda p: (p.stat().st_mtime, p.name)))
+    runs = list_runs(runs_dir)
+    if not runs:
+        raise RunError(f"no runs under {Path(runs_dir)}/ (start one with `hpcdl submit`)")
+    return runs[0]
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file a command needs; a missing, unreadable or malformed one is a RunError of one
+    line that names the file."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RunError(f"{path} is corrupt: not UTF-8 text, so not JSON") from None
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{path} is corrupt: not valid JSON ({exc.msg} at line {exc.lineno}, "
+                       f"column {exc.colno})") from None
+
+
+def read_toml_file(path: Path) -> dict[str, Any]:
+    """As read_json_file, for TOML."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise RunError(f"{path} is corrupt: not UTF-8 text, so not TOML") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise RunError(f"{path} is corrupt: not valid TOML ({' '.join(str(exc).split())})") from None
 
 
 def write_json_atomic(path: Path, data: Any) -> None:

@@ -91,6 +91,17 @@ def test_evaluate_path_that_is_not_a_checkpoint(runner, tmp_path):
     assert_usage_error(code, output, "is not a checkpoint")
 
 
+def test_evaluate_of_something_that_is_neither_a_path_nor_a_run_id(runner, tmp_path):
+    (tmp_path / "runs").mkdir()
+    code, output = run_cli(runner, ["evaluate", "hep-nosuch", "--runs-dir", str(tmp_path / "runs")])
+    assert_usage_error(code, output, "neither a path nor a run id")
+
+
+def test_bare_cancel_without_runs(runner, tmp_path):
+    code, output = run_cli(runner, ["cancel", "--runs-dir", str(tmp_path / "none")])
+    assert_usage_error(code, output, "no runs")
+
+
 def test_evaluate_bad_scores_suffix(runner, tmp_path):
     code, output = run_cli(runner, ["evaluate", str(tmp_path), "--scores-out", str(tmp_path / "s.txt")])
     assert_usage_error(code, output, ".npz or .csv")

@@ -44,6 +44,18 @@ def test_one_group_of_two_ranks_trains_and_evaluates(hep_files, tmp_path):
     text = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
     assert "finished" in text and "40/40" in text
 
+    # The checkpoint prefix evaluate printed as its model (not itself a file), and a bare run id.
+    prefix = result["model"]
+    assert prefix.endswith("/checkpoints/0/ckpt-40") and not os.path.exists(prefix)
+    again = json.loads(hpcdl("evaluate", prefix, "--json", cwd=tmp_path).stdout)
+    assert again["model"] == prefix and again["auc_weighted"] == result["auc_weighted"]
+    by_id = json.loads(hpcdl("evaluate", submitted["run_id"], "--runs-dir", str(runs), "--json",
+                             cwd=tmp_path).stdout)
+    assert by_id["model"] == prefix and by_id["n_events"] == 512
+    missing = hpcdl("evaluate", prefix.replace("ckpt-40", "ckpt-41"), cwd=tmp_path, check=False)
+    assert missing.returncode == 2 and "ckpt-41" in missing.stderr
+    assert len([l for l in missing.stderr.splitlines() if l.startswith("Error:")]) == 1
+
 
 def test_submit_resumes_nothing_from_another_run(hep_files, tmp_path):
     """Two runs of the same job are independent directories."""
@@ -81,4 +93,45 @@ def test_detached_run_can_be_watched_and_cancelled(hep_files, tmp_path):
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     again = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout  # repeating is harmless
-    assert "nothing running" in again or "SIGTERM" in again
+    assert "nothing to cancel" in again
+
+
+def wait_for(predicate, timeout, what):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_bare_cancel_after_evaluating_an_older_run_stops_the_live_run(hep_files, tmp_path):
+    """Evaluating an old run writes eval/ into it (its mtime is then the newest); a bare cancel
+    must still stop the run that is live, say which it picked, and leave the old one alone."""
+    runs = tmp_path / "runs"
+    old = json.loads(hpcdl("submit", "hep", "--json", *set_args(tiny_overrides(hep_files, runs, steps=5)),
+                           cwd=tmp_path).stdout)
+    live = json.loads(hpcdl("submit", "hep", "--detach", "--json",
+                            *set_args(tiny_overrides(hep_files, runs, steps=100000)), cwd=tmp_path).stdout)
+    live_dir = runs / live["run_id"]
+    wait_for(lambda: (live_dir / "scheduler/local.json").is_file(), 120, "the supervisor's first report")
+    hpcdl("evaluate", old["run_id"], "--runs-dir", str(runs), "--json", cwd=tmp_path)
+    assert (runs / old["run_id"] / "eval" / "roc.png").is_file()
+    assert os.stat(runs / old["run_id"]).st_mtime >= os.stat(live_dir).st_mtime
+
+    newest = json.loads(hpcdl("status", "--runs-dir", str(runs), "--json", cwd=tmp_path).stdout)
+    assert newest["run_id"] == live["run_id"]
+    said = hpcdl("cancel", "--runs-dir", str(runs), cwd=tmp_path).stdout
+    assert live["run_id"] in said and "SIGTERM" in said and old["run_id"] not in said
+    wait_for(lambda: json.loads(hpcdl("status", str(live_dir), "--json", cwd=tmp_path).stdout)["state"]
+             == "cancelled", 90, "the live run to be cancelled")
+    assert json.loads(hpcdl("status", old["run_id"], "--runs-dir", str(runs), "--json",
+                            cwd=tmp_path).stdout)["state"] == "finished"
+    # Nothing is active any more: a bare cancel says so and picks nothing.
+    said = hpcdl("cancel", "--runs-dir", str(runs), cwd=tmp_path).stdout
+    assert "nothing to cancel" in said and "SIGTERM" not in said
+    said = hpcdl("cancel", old["run_id"], "--runs-dir", str(runs), cwd=tmp_path).stdout
+    assert said.startswith(old["run_id"]) and "nothing to cancel" in said

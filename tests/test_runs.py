@@ -1,10 +1,11 @@
 import json
 import os
+import time
 
 import pytest
 
 from hpcdl.config import load_job
-from hpcdl.runs import RunError, append_jsonl, create_run, find_run, read_jsonl, write_json_atomic
+from hpcdl.runs import RunError, append_jsonl, create_run, find_run, list_runs, read_jsonl, write_json_atomic
 
 
 def test_run_appears_only_when_complete(tmp_path):
@@ -38,6 +39,62 @@ def test_find_run_newest_and_by_id(tmp_path):
         find_run("nope", tmp_path)
     with pytest.raises(RunError, match="no runs"):
         find_run(None, tmp_path / "empty")
+
+
+def test_newest_run_is_the_newest_created_not_the_newest_touched(tmp_path):
+    """Evaluating an old run writes into it; it must not become "the newest run"."""
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"'])
+    with create_run(job, "local") as (_, old):
+        pass
+    with create_run(job, "local") as (_, new):
+        pass
+    (old.root / "eval").mkdir()
+    (old.root / "eval" / "roc.png").write_bytes(b"png")
+    future = time.time() + 3600
+    for path in (old.root, old.info_file, old.job_file):
+        os.utime(path, (future, future))
+    os.utime(new.root, (1, 1))
+    assert old.created() < new.created()
+    assert [r.root for r in list_runs(tmp_path)] == [new.root, old.root]
+    assert find_run(None, tmp_path).root == new.root
+
+
+def test_creation_time_from_the_run_id_when_run_json_lacks_it(tmp_path):
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"'])
+    with create_run(job, "local", run_id="hep-20260101-000000-abcd") as (_, older):
+        pass
+    with create_run(job, "local", run_id="hep-20260102-000000-abcd") as (_, newer):
+        pass
+    for run in (older, newer):
+        info = json.loads(run.info_file.read_text())
+        del info["created"]
+        write_json_atomic(run.info_file, info)
+    os.utime(older.info_file, (time.time() + 3600,) * 2)
+    assert find_run(None, tmp_path).root == newer.root
+
+
+@pytest.mark.parametrize("content", [b'{"run_id": "x", "backe', b"\x00\xff\xfe garbage \x80", b"[1, 2]"])
+def test_corrupt_run_json_is_one_error_naming_the_file(tmp_path, content):
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"'])
+    with create_run(job, "local") as (_, run):
+        pass
+    run.info_file.write_bytes(content)
+    with pytest.raises(RunError) as caught:
+        run.info()
+    message = str(caught.value)
+    assert str(run.info_file) in message and "corrupt" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("content", [b'name = "hep"\nworkload = ', b"\x89PNG\r\n\x1a\n\x00\x00",
+                                     b'workload = "hep"\n[train]\nsteps = "many"\n'])
+def test_corrupt_job_toml_is_one_error_naming_the_file(tmp_path, content):
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"'])
+    with create_run(job, "local") as (_, run):
+        pass
+    run.job_file.write_bytes(content)
+    with pytest.raises(RunError) as caught:
+        run.load_job()
+    assert str(run.job_file) in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_jsonl_skips_torn_last_line(tmp_path):

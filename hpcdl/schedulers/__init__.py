@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from hpcdl.runs import RunDir, RunError, find_run, list_runs
 from hpcdl.schedulers.base import Scheduler, SchedulerError, SubmitRequest
 
 
@@ -17,4 +20,44 @@ def get_scheduler(name: str) -> Scheduler:
     raise SchedulerError(f"unknown backend {name!r} (local or slurm)")
 
 
-__all__ = ["Scheduler", "SchedulerError", "SubmitRequest", "get_scheduler"]
+def scheduler_of(run: RunDir) -> Scheduler:
+    return get_scheduler(run.info()["backend"])
+
+
+def newest_active_run(runs_dir: str | Path = "runs") -> tuple[RunDir | None, list[RunDir]]:
+    """The newest run (by creation) under runs_dir that still has something queued or running,
+    and the runs whose state could not be told (a controller that did not answer); a run that
+    finished, failed or was cancelled is never picked."""
+    runs = list_runs(runs_dir)
+    if not runs:
+        raise RunError(f"no runs under {Path(runs_dir)}/ (start one with `hpcdl submit`)")
+    unknown = []
+    for run in runs:
+        try:
+            active = scheduler_of(run).is_active(run)
+        except (RunError, SchedulerError):
+            active = None
+        if active:
+            return run, unknown
+        if active is None:
+            unknown.append(run)
+    return None, unknown
+
+
+def cancel_run(ref: str | None, runs_dir: str | Path = "runs") -> str:
+    """`hpcdl cancel [RUN]`: the named run, or (None) the newest run that is still active."""
+    if ref:
+        run = find_run(ref, runs_dir)
+        return f"{run.run_id}: {scheduler_of(run).cancel(run)}"
+    run, unknown = newest_active_run(runs_dir)
+    if run is None:
+        text = f"nothing to cancel: no run under {Path(runs_dir)}/ is still queued or running"
+        if unknown:
+            text += (f" (could not tell for {', '.join(r.run_id for r in unknown[:3])}"
+                     f"{' …' if len(unknown) > 3 else ''}: name the run to cancel it anyway)")
+        return text
+    return f"the newest active run is {run.run_id}: {scheduler_of(run).cancel(run)}"
+
+
+__all__ = ["Scheduler", "SchedulerError", "SubmitRequest", "cancel_run", "get_scheduler",
+           "newest_active_run", "scheduler_of"]

@@ -71,4 +71,9 @@ class Scheduler(ABC):
 
     @abstractmethod
     def cancel(self, run: RunDir) -> str:
-        """Stop everything of the run that still runs; repeating it is harmless."""
+        """Stop everything of the run that still runs; repeating it is harmless. The answer says
+        what was stopped, or that there was nothing to cancel."""
+
+    @abstractmethod
+    def is_active(self, run: RunDir) -> bool | None:
+        """Whether anything of the run is still queued or running; None when it cannot tell."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.launch import local_group, start_rendezvous, worker_environ
-from hpcdl.runs import RunDir, write_json_atomic
+from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
 STATE_FILE = "scheduler/local.json"
@@ -224,13 +224,12 @@ class LocalScheduler(Scheduler):
         return {"supervisor_pid": proc.pid}
 
     def describe(self, run: RunDir) -> dict[str, Any]:
-        import json
-
         path = run.root / STATE_FILE
-        try:
-            state = json.loads(path.read_text())
-        except FileNotFoundError:
+        if not path.is_file():
             return {"groups": {}, "applier": None, "note": "not started yet"}
+        state = read_json_file(path)
+        if not isinstance(state, dict) or not isinstance(state.get("groups"), dict):
+            raise RunError(f"{path} is corrupt: not the local supervisor's record")
         state["note"] = ""
         if not _pid_alive(state.get("supervisor_pid")):
             for info in state["groups"].values():
@@ -239,17 +238,30 @@ class LocalScheduler(Scheduler):
                     state["note"] = "the supervisor is gone"
         return state
 
+    def is_active(self, run: RunDir) -> bool:
+        """The supervisor is alive and has not yet reported every group ended."""
+        path = run.root / STATE_FILE
+        if not path.is_file():
+            return _pid_alive(run.info().get("supervisor_pid"))  # detached, before its first report
+        state = self.describe(run)
+        if not _pid_alive(state.get("supervisor_pid")):
+            return False
+        applier = state.get("applier") or {}
+        return bool(applier.get("running")) or any(
+            g.get("state") in ("running", "pending") for g in state["groups"].values())
+
     def cancel(self, run: RunDir) -> str:
         state = self.describe(run)
-        pid = state.get("supervisor_pid")
+        pid = state.get("supervisor_pid") or run.info().get("supervisor_pid")
         if pid and _pid_alive(pid):
             os.kill(pid, signal.SIGTERM)
             return f"sent SIGTERM to the supervisor (pid {pid})"
-        return "nothing running"
+        return "nothing to cancel: the run's supervisor is not running (the run has ended)"
 
 
 def _pid_alive(pid: int | None) -> bool:
-    if not pid:
+    """The process exists and is not a zombie (an exited child nobody has reaped yet)."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
         return False
     try:
         os.kill(pid, 0)
@@ -257,7 +269,11 @@ def _pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: existence is all we know
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def main(argv: list[str] | None = None) -> int:

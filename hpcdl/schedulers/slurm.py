@@ -11,7 +11,6 @@ a run's jobs, parsed by pure functions; without slurmdbd `sacct` fails and the s
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import subprocess
@@ -20,7 +19,7 @@ from typing import Any
 
 from hpcdl.config import Job, JobError
 from hpcdl.resources import shipped_dir
-from hpcdl.runs import RunDir, write_json_atomic
+from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
 TEMPLATES_DIR = shipped_dir("slurm_templates")
@@ -256,10 +255,28 @@ class SlurmScheduler(Scheduler):
         return ids
 
     def _ids(self, run: RunDir) -> dict[str, str | None]:
+        path = run.root / JOBS_FILE
+        if not path.is_file():
+            raise SchedulerError(f"{run.root} has no SLURM job ids: was it submitted?")
+        ids = read_json_file(path)
+        if not isinstance(ids, dict) or not isinstance(ids.get("slurm_array_job_id"), str):
+            raise RunError(f"{path} is corrupt: no slurm_array_job_id")
+        return ids
+
+    def _job_ids(self, run: RunDir) -> list[str]:
+        ids = self._ids(run)
+        return [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]
+
+    def is_active(self, run: RunDir) -> bool | None:
+        """Whether SLURM still holds a job of the run (the group array or the applier); None
+        when it cannot tell (not submitted, controller unreachable)."""
         try:
-            return json.loads((run.root / JOBS_FILE).read_text())
-        except FileNotFoundError:
-            raise SchedulerError(f"{run.root} has no SLURM job ids: was it submitted?") from None
+            proc = _run(["squeue", "-h", "-r", "-j", ",".join(self._job_ids(run)), "-o", "%i"])
+        except SchedulerError:
+            return None
+        if proc.returncode == 0:
+            return bool(proc.stdout.strip())
+        return False if "Invalid job id" in proc.stderr else None
 
     def groups_active(self, run: RunDir) -> bool | None:
         """Whether SLURM still holds an element of the run's group array (queued, running or
@@ -296,8 +313,9 @@ class SlurmScheduler(Scheduler):
         return {"groups": groups, "applier": applier, "note": note, "job_ids": ids}
 
     def cancel(self, run: RunDir) -> str:
-        ids = self._ids(run)
-        targets = [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]
+        targets = self._job_ids(run)
+        if self.is_active(run) is False:
+            return f"nothing to cancel: SLURM jobs {', '.join(targets)} have ended"
         proc = _run(["scancel", *targets])
         if proc.returncode != 0 and "already completed" not in proc.stderr and "Invalid job id" not in proc.stderr:
             raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")

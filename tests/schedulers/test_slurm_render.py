@@ -182,3 +182,27 @@ def test_the_applier_polls_squeue_at_most_every_poll_interval(monkeypatch, tmp_p
     calls = fake_squeue(monkeypatch, [(0, "", "")])
     gone = SlurmArrayGone(submitted_run(tmp_path), poll_s=3600.0)
     assert [gone() for _ in range(50)] == [False] * 50 and len(calls) == 1
+
+
+def test_cancel_of_a_run_whose_jobs_have_ended_cancels_nothing(monkeypatch, tmp_path):
+    calls = fake_squeue(monkeypatch, [(1, "", "slurm_load_jobs error: Invalid job id specified")])
+    said = SlurmScheduler().cancel(submitted_run(tmp_path))
+    assert said == "nothing to cancel: SLURM jobs 41, 40 have ended"
+    assert [c[0] for c in calls] == ["squeue"]
+
+
+def test_cancel_of_a_queued_run_calls_scancel(monkeypatch, tmp_path):
+    calls = fake_squeue(monkeypatch, [(0, "41_0\n40\n", ""), (0, "", "")])
+    said = SlurmScheduler().cancel(submitted_run(tmp_path))
+    assert said == "cancelled SLURM jobs 41, 40"
+    assert calls[0] == ["squeue", "-h", "-r", "-j", "41,40", "-o", "%i"] and calls[1] == ["scancel", "41", "40"]
+
+
+@pytest.mark.parametrize("content", ['{"slurm_array_job_id": 4', "\x00\x01binary", '{"other": 1}'])
+def test_corrupt_job_ids_are_one_error_naming_the_file(tmp_path, content):
+    from hpcdl.runs import RunError
+
+    run = submitted_run(tmp_path)
+    (tmp_path / "scheduler/slurm.json").write_text(content)
+    with pytest.raises(RunError, match="slurm.json is corrupt"):
+        SlurmScheduler().is_active(run)

@@ -98,8 +98,11 @@ def test_scancel_one_element_the_rest_goes_on(slurm_cluster, hep_files, tmp_path
     assert queue_empty([array, sub["slurm_applier_job_id"]])
     applier_log = "\n".join(p.read_text() for p in run_dir.glob("applier-*.out"))
     assert "no element of the group array is queued or running" in applier_log
-    # Cancelling a run that has ended is harmless.
-    assert "cancelled" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    # Cancelling a run that has ended is harmless, and says there was nothing to cancel.
+    said = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    assert "nothing to cancel" in said and "have ended" in said
+    said = hpcdl("cancel", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout
+    assert "nothing to cancel" in said and run_dir.name not in said
 
 
 def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path):
