@@ -273,13 +273,19 @@ def data_generate(workload, out_dir, events, image_size, images, height, width, 
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
 @click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
 @click.option("--groups", "group_counts", help="Comma-separated group counts to compare (default: divisors of --nodes up to 128).")
+@click.option("--set", "overrides", multiple=True, metavar="exchange.KEY=VALUE", help="An [exchange] field of the job to model, e.g. --set exchange.kind=delta --set exchange.every=8 (repeatable). Without --inputs the job's whole [exchange] section is read.")
 @click.option("--staleness-bound", default=8.0, show_default=True, type=click.FloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
+@click.option("--max-applier-util", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the applier's largest busy share.")
+@click.option("--max-exchange-share", default=0.05, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the exchange's largest share of a group's time.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
-def plan(workload, nodes, inputs_spec, node_flops, group_counts, staleness_bound, seed, as_json):
+def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
+         max_applier_util, max_exchange_share, seed, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
-    into groups, and recommend one. Every assumption is printed."""
-    from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, render_paper_check
+    into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
+    assumption is printed."""
+    from hpcdl.display import paper_check_text, plan_view
+    from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
     if inputs_spec and node_flops:
         raise click.UsageError("give --inputs or --node-flops, not both")
@@ -297,16 +303,18 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, staleness_bound
                   f"{here['image']}², {here['threads']}")
     try:
         inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(node_flops, source=source)
+        inputs = with_job_exchange(inputs, workload, overrides, whole_section=not inputs_spec)
         counts = [int(c) for c in group_counts.split(",")] if group_counts else None
-        result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound)
+        result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
+                           max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if as_json:
         _emit_json(result.to_dict())
         return
-    click.echo(result.render_text())
+    console.print(plan_view(result))
     if inputs_spec == "paper":
-        click.echo("\n" + render_paper_check(paper_check(seed=seed)))
+        console.print("\n" + paper_check_text(paper_check(seed=seed)))
 
 
 # -- doctor / completion --------------------------------------------------------------------------

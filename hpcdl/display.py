@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from rich import box
 from rich.console import Group
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -114,3 +115,125 @@ def counting_progress(console, description: str, total: int | None) -> tuple[Pro
     progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TimeRemainingColumn(), console=console)
     return progress, progress.add_task(description, total=total)
+
+
+# -- hpcdl plan ---------------------------------------------------------------------------------
+
+
+def plan_value(value: Any, unit: str) -> str:
+    """A planner input as printed: 1.9e12 FLOP/s -> '1.9 TFLOP/s', True -> 'yes'."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,} {unit}".strip()
+    if isinstance(value, float):
+        return f"{_si_small(value)}{unit}" if unit else f"{value:g}"
+    return str(value)
+
+
+def _si_small(x: float) -> str:
+    if x == 0:
+        return "0 "
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"),
+                           (1.0, ""), (1e-3, "m"), (1e-6, "u"), (1e-9, "n")):
+        if abs(x) >= factor:
+            return f"{x / factor:.4g} {prefix}"
+    return f"{x:.3g} "
+
+
+def plan_assumptions_table(plan) -> Table:
+    """Every planner input: value, meaning, source."""
+    table = Table(title="inputs", title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1))
+    for column in ("input", "value", "meaning", "source"):
+        table.add_column(column, overflow="fold")
+    for a in plan.inputs.assumptions():
+        table.add_row(a.name, plan_value(a.value, a.unit), a.meaning, escape(a.source))
+    return table
+
+
+def plan_rows(plan) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(headers, rows) of the candidates: one row per group count; ★ marks the pick, an
+    infeasible count says why. The compute time, the same for every count, is in the title."""
+    unit, prefix = plan.flops_unit()
+    headers = ("groups", "nodes/\ngroup", "step\nms", "straggler\nms", "allreduce\nms",
+               "exchange\nms", f"sustained\n{prefix}FLOP/s", f"peak\n{prefix}FLOP/s",
+               "updates\n/s", "applier\nutil", "exchange\nMB/s", "staleness\nmean/p95",
+               "dropped", "H\nmin", "")
+    rows = []
+    for c in plan.candidates:
+        mark = "★" if c.groups == plan.recommended else ("" if c.feasible else c.reason)
+        rows.append((
+            str(c.groups), str(c.nodes_per_group), f"{c.step_s * 1e3:.1f}",
+            f"{c.straggler_s * 1e3:.1f}", f"{c.allreduce_s * 1e3:.2f}",
+            f"{c.exchange_s * 1e3:.2f}", f"{c.sustained_flops / unit:.2f}",
+            f"{c.peak_flops / unit:.2f}", f"{c.updates_per_s:.1f}",
+            f"{c.applier_utilisation:.2f}", f"{c.exchange_bytes_per_s / 1e6:.0f}",
+            f"{c.staleness_mean:.1f}/{c.staleness_p95:.0f}", f"{100 * c.dropped_fraction:.0f}%",
+            "-" if c.groups == 1 else str(c.min_every), mark,
+        ))
+    return headers, rows
+
+
+def plan_candidates_table(plan) -> Table:
+    headers, rows = plan_rows(plan)
+    x = plan.inputs
+    title = (f"per group count — compute {x.compute_seconds * 1e3:.1f} ms per step; exchange "
+             f"{x.exchange_kind}, H = {x.exchange_every}, K = {x.max_outstanding}; H min: the "
+             f"closed form's smallest H for the H rule")
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, padding=(0, 1),
+                  pad_edge=False)
+    for header in headers[:-1]:
+        table.add_column(header, justify="right", no_wrap=True)
+    table.add_column(headers[-1], justify="left", overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def plan_recommendation(plan) -> str:
+    """The group count picked, its figures and the rule."""
+    if plan.recommended is None:
+        return f"no group count meets the rule ({plan.rule})"
+    c = plan.candidate(plan.recommended)
+    unit, prefix = plan.flops_unit()
+    return (f"recommended: {c.groups} groups of {c.nodes_per_group} nodes — "
+            f"{c.sustained_flops / unit:.2f} {prefix}FLOP/s sustained, mean staleness "
+            f"{c.staleness_mean:.1f}, applier at {100 * c.applier_utilisation:.0f}% "
+            f"(rule: {plan.rule})")
+
+
+def plan_every_text(plan) -> str:
+    """H (exchange.every) for the recommended group count, with the figures and the reason."""
+    if plan.recommended is None:
+        return "exchange.every: no group count to advise H for"
+    a = plan.every_advice
+    if a is None:
+        return "exchange.every: one group has no exchange; H does not apply"
+    return (f"exchange.every = {a.every} for {a.groups} groups (kind {a.kind}, "
+            f"{a.update_bytes / 1e6:.2f} MB per update): applier {100 * a.applier_utilisation:.0f}% "
+            f"busy at {a.updates_per_s:.1f} updates/s, exchange {100 * a.exchange_share:.1f}% of a "
+            f"group's time, mean staleness {a.staleness_mean:.1f} — {a.reason}")
+
+
+def plan_view(plan):
+    """`hpcdl plan`'s screen: the inputs, the candidates, the two recommendations."""
+    head = (f"Scale plan for {plan.nodes} nodes — inputs: {escape(plan.inputs.label)} "
+            f"(seed {plan.seed})")
+    return Group(head, plan_assumptions_table(plan), plan_candidates_table(plan),
+                 plan_recommendation(plan), plan_every_text(plan))
+
+
+def paper_check_text(result: Mapping[str, Any]) -> str:
+    """One paragraph from hpcdl.perf.recommend.paper_check's result."""
+    c = result["candidate"]
+    return (
+        f"Paper check (Kurth et al. SC17, HEP, {result['nodes']} nodes in {result['groups']} "
+        f"groups): predicted {result['predicted_sustained_flops'] / 1e15:.2f} PFLOP/s sustained "
+        f"vs the paper's {result['paper_sustained_flops'] / 1e15:.2f} "
+        f"({100 * (result['sustained_ratio'] - 1):+.1f} %; the test allows ±15 %), "
+        f"{result['predicted_peak_flops'] / 1e15:.2f} PFLOP/s peak vs "
+        f"{result['paper_peak_flops'] / 1e15:.2f} ({100 * (result['peak_ratio'] - 1):+.1f} %); "
+        f"step {c['step_s'] * 1e3:.1f} ms = compute {c['compute_s'] * 1e3:.1f} + stragglers "
+        f"{c['straggler_s'] * 1e3:.1f} + allreduce {c['allreduce_s'] * 1e3:.1f} + exchange "
+        f"{c['exchange_s'] * 1e3:.1f}."
+    )

@@ -39,7 +39,7 @@ def simple(**kw) -> PlanInputs:
     """Round numbers: t_c = 4 · 1e9 / 1e12 = 4 ms; n = 1 MB; no stragglers, instant applier."""
     base = dict(node_flops=1e12, flops_per_example=1e9, batch_per_node=4, model_bytes=1e6,
                 allreduce_latency=2e-6, allreduce_bandwidth=1e9, straggler_sigma=0.0,
-                exchange_every=1, exchange_blocking=False, exchange_latency=0.0,
+                exchange_every=1, max_outstanding=0, exchange_latency=0.0,
                 exchange_bandwidth=INF_BW, applier_bytes_per_s=INF_BW, applier_max_batch=1,
                 max_pending_per_group=0, max_staleness=-1)
     base.update(kw)
@@ -153,7 +153,7 @@ def test_saturated_non_blocking_applier_drops_the_excess():
 def test_saturated_blocking_applier_slows_the_groups_to_its_pace():
     # Same offer, but each group waits for its reply: the applier serves one update per 10 ms,
     # so each of the 4 groups gets one every 40 ms: step = 40 ms, 100 updates/s.
-    c = evaluate(slow_applier(exchange_blocking=True, node_flops=1e12, batch_per_node=20,
+    c = evaluate(slow_applier(max_outstanding=1, node_flops=1e12, batch_per_node=20,
                               allreduce_latency=0.0, allreduce_bandwidth=INF_BW), 4, 4, rounds=400)
     assert c.compute_s == pytest.approx(20e-3)
     assert c.step_s == pytest.approx(40e-3, rel=0.01)
@@ -174,26 +174,26 @@ def test_unsaturated_applier_utilisation_and_no_drops():
 # -- staleness by hand -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("blocking", [0, 1])
 def test_one_group_has_staleness_zero(blocking):
-    sim = simulate_exchange(simple(exchange_blocking=blocking), 8, np.full((1, 50), 5e-3))
+    sim = simulate_exchange(simple(max_outstanding=blocking), 8, np.full((1, 50), 5e-3))
     assert sim.applied == 50 and set(sim.staleness.tolist()) == {0}
 
 
 def test_one_group_blocking_is_fresh_even_with_a_slow_applier():
-    sim = simulate_exchange(slow_applier(exchange_blocking=True), 8, np.full((1, 50), 5e-3))
+    sim = simulate_exchange(slow_applier(max_outstanding=1), 8, np.full((1, 50), 5e-3))
     assert set(sim.staleness.tolist()) == {0}
 
 
 @pytest.mark.parametrize("groups", [2, 3, 7])
 @pytest.mark.parametrize("staggered", [False, True])
-@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize("blocking", [0, 1])
 def test_identical_groups_round_robin_have_staleness_g_minus_1(groups, staggered, blocking):
     """G identical deterministic groups, instant applier: between two updates of one group the
     other G−1 are applied, so after the first round every update is exactly G−1 versions stale."""
     period = 6e-3
     offsets = [g * period / groups for g in range(groups)] if staggered else None
-    sim = simulate_exchange(simple(exchange_blocking=blocking), 4, np.full((groups, 40), period),
+    sim = simulate_exchange(simple(max_outstanding=blocking), 4, np.full((groups, 40), period),
                             start_offsets=offsets, warmup_rounds=1)
     assert sim.applied == groups * 40
     assert set(sim.staleness.tolist()) == {groups - 1}
@@ -249,7 +249,7 @@ def test_slowest_of_p_matches_brute_force():
 
 def gp(groups: int, sustained: float, feasible: bool = True) -> GroupPlan:
     return GroupPlan(groups, 1, 0, 0, 0, 0, 1, sustained, sustained, 0, 1, 0, 0, 0, 0, 0, 0, 0,
-                     feasible, "" if feasible else "too stale")
+                     feasible, "" if feasible else "too stale", every=1, update_bytes=1.0)
 
 
 def test_recommendation_rule():
@@ -267,7 +267,7 @@ def test_evaluate_flags_staleness_and_saturation():
     stale = evaluate(inputs, 64, 16, staleness_bound=8)  # staleness 15 > 8
     assert ok.feasible and ok.staleness_mean == pytest.approx(3)
     assert not stale.feasible and "too stale" in stale.reason
-    sat = evaluate(slow_applier(exchange_blocking=True), 64, 8)
+    sat = evaluate(slow_applier(max_outstanding=1), 64, 8)
     assert sat.saturated and "applier saturated" in sat.reason
 
 
@@ -296,15 +296,25 @@ def test_deterministic_for_a_seed():
     assert plan(paper, 9600, [8], seed=3).candidates[0] == plan(paper, 9600, seed=3).candidate(8)
 
 
+def rendered(renderable, width: int = 400) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    console.print(renderable)
+    return console.export_text()
+
+
 def test_output_is_json_and_prints_every_assumption():
+    from hpcdl.display import plan_rows, plan_view
+
     p = plan(PlanInputs.paper_cori_hep(), 9600)
     json.dumps(p.to_dict())
     assert p.to_dict()["recommended_groups"] == p.recommended
-    text = p.render_text()
-    for name, value, _, source in p.inputs.assumptions():
-        assert name in text and source in text
-    assert "recommended:" in text and "PFLOP/s" in text
-    headers, rows = p.render_rows()
+    text = rendered(plan_view(p))
+    for a in p.inputs.assumptions():
+        assert a.name in text and a.source in text
+    assert "recommended:" in text and "PFLOP/s" in text and "exchange.every = 1" in text
+    headers, rows = plan_rows(p)
     assert len(rows) == len(p.candidates) and all(len(r) == len(headers) for r in rows)
     assert sum("★" in r[-1] for r in rows) == 1
 
@@ -356,7 +366,7 @@ def test_load_inputs_from_files(tmp_path):
     inputs = PlanInputs.load(f)
     assert inputs.node_flops == 5e10 and inputs.straggler_sigma == 0.02 and inputs.batch_per_node == 64
     assert inputs.source("straggler_sigma") == "given in here.json"
-    assert not inputs.exchange_blocking  # hpcdl's base
+    assert inputs.max_outstanding == 0  # hpcdl's base: never wait
     t = tmp_path / "cori.toml"
     t.write_text('base = "paper"\nstraggler_sigma = 0.12\n')
     assert PlanInputs.load(t) == PlanInputs.paper_cori_hep().with_values("given in cori.toml",
@@ -383,14 +393,14 @@ def test_paper_inputs_land_within_15_percent_of_the_paper_sustained_figure():
 @pytest.mark.parametrize("sigma, inside", [(0.0, False), (0.05, False), (0.08, True), (0.15, True),
                                            (0.20, False)])
 def test_paper_check_sensitivity_to_the_straggler_spread(sigma, inside):
-    """The band the module docstring states: the check holds for σ in about [0.073, 0.175]."""
+    """The band README states (Figures): the check holds for σ in about [0.073, 0.175]."""
     paper = PlanInputs.paper_cori_hep().with_values("test", straggler_sigma=sigma)
     ratio = paper_check(inputs=paper)["sustained_ratio"]
     assert (0.85 <= ratio <= 1.15) == inside, ratio
 
 
 def test_paper_check_text():
-    from hpcdl.perf.planner import render_paper_check
+    from hpcdl.display import paper_check_text
 
-    text = render_paper_check(paper_check())
+    text = paper_check_text(paper_check())
     assert "11.41" in text and "±15 %" in text and "9594 nodes in 9 groups" in text
