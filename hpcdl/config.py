@@ -89,35 +89,106 @@ class TrainConfig:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
 
+EXCHANGE_KINDS = ("gradient", "delta")
+STALE_POLICIES = ("drop", "downweight")
+DELTA_DTYPES = ("float32", "float16")
+
+
 @dataclass(frozen=True)
 class ExchangeConfig:
-    """The asynchronous channel between groups and the applier that owns the master weights."""
+    """The asynchronous channel between groups and the applier that owns the master weights.
+
+    The algorithms (`kind`) and the applier's update rules are written down in
+    :mod:`hpcdl.exchange`'s docstring and :mod:`hpcdl.applier.rules`.
+    """
 
     enabled: str = "auto"  # auto: on when there is more than one group
     directory: str = ""  # empty: <run>/exchange; a Lustre path on a cluster
-    every: int = 1
-    optimizer: str = "adam"
+    kind: str = "gradient"  # gradient: the paper's; delta: local steps, then the weights' delta
+    every: int = 1  # gradient: publish every N-th step's gradient; delta: H local steps per delta
+    optimizer: str = "adam"  # the applier's update rule (hpcdl.applier.rules)
     learning_rate: float = 1e-3
+    momentum: float = 0.9  # momentum and nesterov
+    momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
+    staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
+    max_outstanding: int = 0  # 0: a root never waits; K: at most K unanswered updates a group
+    reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
+    delta_dtype: str = "float32"  # delta: float16 halves the bytes exchanged
     max_staleness: int = 16
     stale_policy: str = "drop"
     keep_versions: int = 3
     max_pending_per_group: int = 4
 
     def validate(self) -> None:
+        from hpcdl.applier.rules import UPDATE_RULES
+
         if self.enabled not in ("auto", "on", "off"):
             raise JobError(f"exchange.enabled must be auto, on or off, got {self.enabled!r}")
+        _choice("exchange.kind", self.kind, EXCHANGE_KINDS)
+        _choice("exchange.optimizer", self.optimizer, tuple(UPDATE_RULES))
+        _choice("exchange.stale_policy", self.stale_policy, STALE_POLICIES)
+        _choice("exchange.delta_dtype", self.delta_dtype, DELTA_DTYPES)
         _positive("exchange.every", self.every)
         _positive("exchange.keep_versions", self.keep_versions)
         _positive("exchange.max_pending_per_group", self.max_pending_per_group)
         if self.max_staleness < 0:
             raise JobError(f"exchange.max_staleness must be >= 0, got {self.max_staleness}")
-        if self.stale_policy not in ("drop", "downweight"):
-            raise JobError(f"exchange.stale_policy must be drop or downweight, got {self.stale_policy!r}")
-        if self.optimizer not in ("adam", "sgd", "momentum"):
-            raise JobError(f"exchange.optimizer must be adam, sgd or momentum, got {self.optimizer!r}")
+        if not self.learning_rate > 0:
+            raise JobError(f"exchange.learning_rate must be > 0, got {self.learning_rate}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise JobError(f"exchange.momentum must be in [0, 1), got {self.momentum}")
+        for name in ("momentum_delay", "max_outstanding"):
+            if getattr(self, name) < 0:
+                raise JobError(f"exchange.{name} must be >= 0, got {getattr(self, name)}")
+        if not self.reply_timeout_s > 0:
+            raise JobError(f"exchange.reply_timeout_s must be > 0, got {self.reply_timeout_s}")
+        if self.delta_dtype != "float32" and self.kind != "delta":
+            raise JobError("exchange.delta_dtype applies to exchange.kind = \"delta\" only")
 
     def active(self, groups: int) -> bool:
         return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
+
+    def momentum_delay_for(self, groups: int) -> int:
+        return self.momentum_delay or max(1, groups)
+
+
+@dataclass(frozen=True)
+class EmulateConfig:
+    """Emulated stragglers and failures, for experiments only (off by default).
+
+    Each rank-step is padded with a sleep to `step_seconds` × X, X drawn from a lognormal of
+    spread `sigma` and mean 1, times `stall_factor` with probability `stall_probability`; the
+    rank whose data shard is `slow_shard` is `slow_factor` times slower throughout; the rank of
+    shard `kill_shard` kills itself (SIGKILL) `kill_after_s` seconds into the run, once. Draws
+    are seeded by (seed, shard, step), so a run, restarts included, is reproducible.
+    """
+
+    enabled: bool = False
+    step_seconds: float = 0.25
+    sigma: float = 0.0
+    stall_probability: float = 0.0
+    stall_factor: float = 4.0
+    slow_shard: int = -1  # -1: none
+    slow_factor: float = 2.0
+    kill_shard: int = -1  # -1: none
+    kill_after_s: float = 30.0
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.step_seconds > 0:
+            raise JobError(f"emulate.step_seconds must be > 0, got {self.step_seconds}")
+        if self.sigma < 0:
+            raise JobError(f"emulate.sigma must be >= 0, got {self.sigma}")
+        if not 0.0 <= self.stall_probability <= 1.0:
+            raise JobError(f"emulate.stall_probability must be in [0, 1], got {self.stall_probability}")
+        for name in ("stall_factor", "slow_factor"):
+            if getattr(self, name) < 1.0:
+                raise JobError(f"emulate.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("slow_shard", "kill_shard"):
+            if getattr(self, name) < -1:
+                raise JobError(f"emulate.{name} must be a shard number or -1, got {getattr(self, name)}")
+        if self.kill_after_s < 0:
+            raise JobError(f"emulate.kill_after_s must be >= 0, got {self.kill_after_s}")
 
 
 @dataclass(frozen=True)
@@ -170,6 +241,7 @@ COMMON_SECTIONS: dict[str, type] = {
     "exchange": ExchangeConfig,
     "tuning": TuningConfig,
     "slurm": SlurmConfig,
+    "emulate": EmulateConfig,
 }
 
 
@@ -186,6 +258,7 @@ class Job:
     exchange: ExchangeConfig
     tuning: TuningConfig
     slurm: SlurmConfig
+    emulate: EmulateConfig = EmulateConfig()
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name, "workload": self.workload}
@@ -333,6 +406,11 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             raise JobError(f"{name} must be a string, got {value!r}")
         return value
     return value
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise JobError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def _positive(name: str, value: int) -> None:

@@ -34,6 +34,16 @@ def _age(seconds: float | None) -> str:
 def status_view(status: Mapping[str, Any]):
     title = (f"[bold]{status['run_id']}[/] · {status['workload']} · {status['backend']} · "
              f"[bold]{status['state']}[/]" + (f" · {status['note']}" if status.get("note") else ""))
+    x = status.get("exchange")
+    if x:
+        title += f" · exchange {x['kind']} every {x['every']} ({x['optimizer']})"
+    e = status.get("emulated")
+    if e:
+        title += (f"\n[bold yellow]EMULATED stragglers (not real figures): step {e['step_seconds']:g} s, "
+                  f"σ {e['sigma']:g}, stall {e['stall_probability']:g}×{e['stall_factor']:g}"
+                  + (f", shard {e['slow_shard']} {e['slow_factor']:g}× slow" if e["slow_shard"] >= 0 else "")
+                  + (f", shard {e['kill_shard']} killed at {e['kill_after_s']:g} s" if e["kill_shard"] >= 0 else "")
+                  + "[/]")
     groups = Table(title=title, title_justify="left", expand=False)
     for column in ("grp", "state", "step", "loss", "img/s", "FLOP/s", "sustained",
                    "xchg age", "stale", "rest."):

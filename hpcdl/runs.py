@@ -107,6 +107,10 @@ class RunDir:
     def group_state_file(self, group: int) -> Path:
         return self.group_dir(group) / "state.json"
 
+    def emulated_kill_mark(self, group: int) -> Path:
+        """Exists once the straggler emulator's planned kill happened in this group."""
+        return self.group_dir(group) / "emulated-kill"
+
     def rank_log(self, group: int, rank: int) -> Path:
         return self.group_dir(group) / f"rank{rank}.log"
 

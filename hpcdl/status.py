@@ -16,6 +16,7 @@ the totals add the groups' rates.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -89,6 +90,10 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "created": info.get("created"),
         "state": _run_state([g["state"] for g in groups]),
         "note": backend_view.get("note", ""),
+        # Emulated stragglers and failures are for experiments: said on every view of the run.
+        "emulated": dataclasses.asdict(job.emulate) if job.emulate.enabled else None,
+        "exchange": ({"kind": job.exchange.kind, "every": job.exchange.every,
+                      "optimizer": job.exchange.optimizer} if applier is not None else None),
         "groups": groups,
         "applier": applier,
         "storage": storage,

@@ -54,8 +54,10 @@ class GroupSync(Protocol):
     def initial_weights(self, names_and_values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Root only: the weights every group starts from (proposing ours if none exist)."""
 
-    def after_step(self, step: int, grads: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
-        """Root only: publish when due; return newer master weights to adopt, or None."""
+    def after_step(self, step: int, grads: Callable[[], dict[str, np.ndarray]],
+                   weights: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray] | None:
+        """Root only: publish when due (from this step's gradients or the group's weights);
+        return newer master weights to adopt, or None."""
 
     def stats(self) -> dict[str, Any]:
         """Root only: counters for the metrics line (publishes, adoptions, version, seconds)."""
@@ -74,7 +76,8 @@ def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape
 def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
                 group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None,
                 stop_requested: Callable[[], bool] | None = None,
-                report: dict[str, Any] | None = None) -> TrainResult:
+                report: dict[str, Any] | None = None,
+                pace: Callable[[int, float], None] | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
@@ -82,6 +85,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     steps); `sync` is given to rank 0 only. `stop_requested` (a signal flag, e.g. SLURM's warning
     before the time limit) is agreed on by all ranks at each step: the group checkpoints and
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
+    `pace(step, started)`, called after each step with the step's start (perf_counter), may
+    stretch it (the straggler emulator, hpcdl.emulate).
     """
     if exchange and hvd.rank() == 0 and sync is None:
         raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
@@ -125,14 +130,17 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     flops_per_example = model.flops().training
     batch_images = job.train.batch_per_rank
     window_start, window_steps, last = time.perf_counter(), 0, {}
-    run_start = time.perf_counter()
+    run_start, train_start = time.perf_counter(), time.time()
     total_steps_here = 0
     coordinate = exchange or stop_requested is not None
     stopped = False
 
     for current in range(resumed_from + 1, job.train.steps + 1):
+        started = time.perf_counter()
         batch = next(batches)
         loss, grads = train_step(batch)
+        if pace is not None:
+            pace(current, started)
         step.assign(current)
         window_steps += 1
         total_steps_here += 1
@@ -140,7 +148,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         if coordinate:
             adopted = None
             if exchange and rank == 0:
-                adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)})
+                adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)},
+                                          lambda: {n: v.numpy() for n, v in zip(names, variables)})
             # One small collective decides, for all ranks at the same step, whether to adopt the
             # master weights the root read (only the root touches the shared directory) and
             # whether to stop (signals reach ranks at different moments).
@@ -159,6 +168,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             sustained_elapsed = time.perf_counter() - run_start
             last = {
                 "time": time.time(),
+                "train_start": train_start,
                 "group": group,
                 "step": current,
                 "loss": float(loss.numpy()),

@@ -113,7 +113,9 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         return 1
     try:
         applier = Applier(channel, x.optimizer, x.learning_rate, max_staleness=x.max_staleness,
-                          stale_policy=x.stale_policy, keep_versions=x.keep_versions)
+                          stale_policy=x.stale_policy, keep_versions=x.keep_versions,
+                          momentum=x.momentum, momentum_delay=x.momentum_delay_for(job.run.groups),
+                          staleness_scaling=x.staleness_scaling)
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 3
@@ -195,13 +197,21 @@ def main(argv: list[str] | None = None) -> int:
         tensorboard=run.tensorboard_dir(group),
     )
     stop_mark = run.group_dir(group) / STOP_MARK
+    pace = None
+    if job.emulate.enabled:
+        from hpcdl.emulate import Emulator
+
+        emulator = Emulator(job.emulate, group * hvd.size() + hvd.rank(), run.emulated_kill_mark(group))
+        pace = emulator.pace
+        report["emulated"] = emulator.describe()
 
     def stop_requested() -> bool:
         # Rank 0's view is enough: the engine spreads it to the group with a collective.
         return stop["requested"] or (hvd.rank() == 0 and stop_mark.exists())
 
     result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                         exchange=exchange, sync=sync, stop_requested=stop_requested, report=report)
+                         exchange=exchange, sync=sync, stop_requested=stop_requested, report=report,
+                         pace=pace)
     if result.stopped and hvd.rank() == 0:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the batch script to requeue.

@@ -177,3 +177,31 @@ def test_a_group_never_waits_for_a_missing_applier(tmp_path):
     channel.publish_weights(5, {"w": np.ones(4, np.float32)})
     adopted = sync.after_step(21, lambda: {"w": np.zeros(4, np.float32)})
     assert adopted is not None and np.array_equal(adopted["w"], np.ones(4)) and sync.version == 5
+
+
+DELTA = ['exchange.kind="delta"', "exchange.every=5", 'exchange.optimizer="nesterov"',
+         "exchange.learning_rate=0.7", "exchange.max_outstanding=1"]
+
+
+def test_delta_groups_train_through_the_applier_across_its_kill(hep_files, tmp_path):
+    emulated = ["emulate.enabled=true", "emulate.step_seconds=0.05", "emulate.sigma=0.5", "emulate.seed=3"]
+    proc, run_dir = start_run(hep_files, tmp_path, 150, *DELTA, *emulated)
+    wait_for(lambda: state(run_dir, 0).get("step", 0) >= 40, what="step 40")
+    os.kill(local_view(run_dir)["applier"]["pid"], signal.SIGKILL)
+    wait_for(lambda: local_view(run_dir)["applier"]["restarts"] >= 1, what="the applier restarted")
+    finish(proc)
+    status = applied_exactly_once(run_dir)
+    # one update per group every 5 steps, each applied once: 2 × 150 / 5
+    assert status["counts"]["applied"] + status["counts"]["dropped_stale"] == 60
+    metrics = read_jsonl(run_dir / "groups/0/metrics.jsonl")
+    assert metrics[-1]["exchange_kind"] == "delta" and metrics[-1]["exchange_published"] == 30
+    assert metrics[-1]["emulated"]["sigma"] == 0.5
+    shown = json.loads(subprocess.run([HPCDL, "status", str(run_dir), "--json"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert shown["emulated"]["sigma"] == 0.5 and shown["exchange"]["kind"] == "delta"
+    screen = subprocess.run([HPCDL, "status", str(run_dir)], capture_output=True, text=True, check=True,
+                            env={**os.environ, "COLUMNS": "200"}).stdout
+    assert "EMULATED" in screen
+    result = json.loads(subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    assert result["model"].startswith("master weights v") and result["auc_weighted"] > 0.9

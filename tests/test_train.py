@@ -45,3 +45,18 @@ def test_two_ranks_stay_bit_identical_on_different_data(hep_files, tmp_path):
     assert [json.loads(l)["step"] for l in lines] == [5, 10, 15]
     assert (tmp_path / "ckpt" / "manifest.json").is_file()
     assert json.loads(lines[-1])["flops_per_s_group"] > 0
+
+
+def test_an_adoption_keeps_the_inner_optimizers_slots(hep_files, tmp_path):
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=12)
+    proc = subprocess.run([sys.executable, str(REPO / "tests/helpers/adopt_rank.py"), str(tmp_path),
+                           json.dumps(overrides)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["adoptions"] == 6
+    finals = np.load(tmp_path / "finals.npz")
+    names = [k.split("/", 1)[1] for k in finals.files if k.startswith("plain/")]
+    assert names
+    for name in names:
+        # Adam's m and v went on across the adoptions: the same trajectory to the bit
+        assert np.array_equal(finals[f"plain/{name}"], finals[f"adopting/{name}"]), name

@@ -18,13 +18,12 @@ logged, deleted unapplied) or applied with learning rate ``lr / (1 + staleness)`
 (``stale_policy="downweight"``). Updates of any staleness are applied when ``max_staleness`` is
 None.
 
-Optimizers (g: the update's gradient, w: master weights, t: applied updates, from 1)
-===================================================================================
-* ``sgd``:       w -= lr * g
-* ``momentum``:  m = mu * m + g;  w -= lr * m                                   (heavy ball)
-* ``adam``:      m = b1 * m + (1 - b1) * g;  v = b2 * v + (1 - b2) * g**2;
-                 m_hat = m / (1 - b1**t);  v_hat = v / (1 - b2**t);
-                 w -= lr * m_hat / (sqrt(v_hat) + eps)                          (Kingma & Ba)
+Update rules
+============
+``optimizer`` names one of :data:`hpcdl.applier.rules.UPDATE_RULES` (sgd, momentum, adam,
+nesterov; their formulas are in that module). With ``staleness_scaling`` every update is applied
+at ``lr / max(1, staleness)`` (Zhang et al., "Staleness-aware Async-SGD"), before and
+independently of the ``max_staleness`` policy.
 
 Slots have the master's dtype. An update must carry exactly the master's tensor names and shapes
 and finite values, otherwise it is rejected (``rejected_invalid``).
@@ -125,6 +124,8 @@ from hpcdl.exchange import (
     ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, Signer, UpdateRef,
     atomic_write_bytes, read_file, write_file,
 )
+from hpcdl.applier.rules import UPDATE_RULES, RuleParams, make_rule
+from hpcdl.config import STALE_POLICIES
 from hpcdl.storage import REPORT_FILE, StorageReport, is_storage_full
 
 try:
@@ -134,8 +135,6 @@ except ImportError:  # pragma: no cover - non-POSIX
 
 log = logging.getLogger("hpcdl.applier")
 
-OPTIMIZERS: dict[str, tuple[str, ...]] = {"sgd": (), "momentum": ("m",), "adam": ("m", "v")}
-STALE_POLICIES = ("drop", "downweight")
 COUNTERS = ("applied", "dropped_stale", "downweighted", "rejected_corrupt", "rejected_invalid",
             "duplicates", "vanished", "rejected_proposals")
 CLEAN_INTERVAL_S = 10.0  # how often temporaries older than temp_max_age_s are removed
@@ -178,6 +177,15 @@ class Ledger:
             ivs[i][0] = seq
         else:
             ivs.insert(i, [seq, seq])
+
+    def seen(self, group: int, seq: int) -> bool:
+        """True for a processed pair and for any seq below the group's newest processed one.
+
+        A group's updates are processed in seq order, so a lower seq arriving later is a replay
+        (of a processed update, or of one the backlog bound deleted): never applied as new.
+        """
+        ivs = self._iv.get(group)
+        return bool(ivs) and seq <= ivs[-1][1]
 
     def __len__(self) -> int:
         return sum(b - a + 1 for ivs in self._iv.values() for a, b in ivs)
@@ -232,14 +240,14 @@ class Applier:
         beta1: float = 0.9,
         beta2: float = 0.999,
         eps: float = 1e-8,
+        momentum_delay: int = 1,
+        staleness_scaling: bool = False,
         initial: Mapping[str, np.ndarray] | None = None,
         temp_max_age_s: float = 600.0,
         status_interval: float = 5.0,
         events_max_bytes: int = 64 << 20,
         lock: bool = True,
     ):
-        if optimizer not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}")
         if stale_policy not in STALE_POLICIES:
             raise ValueError(f"stale_policy must be one of {STALE_POLICIES}")
         if max_staleness is not None and max_staleness < 0:
@@ -249,7 +257,9 @@ class Applier:
         self.ch = channel
         self.optimizer = optimizer
         self.lr = float(lr)
-        self.momentum, self.beta1, self.beta2, self.eps = momentum, beta1, beta2, eps
+        self.rule = make_rule(optimizer, RuleParams(lr=self.lr, momentum=momentum, beta1=beta1,
+                                                    beta2=beta2, eps=eps, delay=momentum_delay))
+        self.staleness_scaling = staleness_scaling
         self.max_staleness = max_staleness
         self.stale_policy = stale_policy
         self.keep_versions = keep_versions
@@ -390,7 +400,7 @@ class Applier:
         rel = f"updates/{ref.name}"
         key = (ref.group, ref.seq)
         batch.handled += 1
-        if key in self.ledger:
+        if self.ledger.seen(*key):
             self.counters["duplicates"] += 1
             batch.delete.append(rel)
             self._event(batch, "duplicate", group=ref.group, seq=ref.seq, file=ref.name)
@@ -430,7 +440,7 @@ class Applier:
             st["count"] += 1
             st["sum"] += staleness
             st["max"] = max(st["max"], staleness)
-        scale = 1.0
+        scale = 1.0 / max(1, staleness) if self.staleness_scaling else 1.0
         if self.max_staleness is not None and staleness > self.max_staleness:
             if self.stale_policy == "drop":
                 self.counters["dropped_stale"] += 1
@@ -442,7 +452,7 @@ class Applier:
                 log.info("dropped update group %d seq %d: staleness %d > %d", upd.group,
                          upd.seq, staleness, self.max_staleness)
                 return
-            scale = 1.0 / (1.0 + staleness)
+            scale = min(scale, 1.0 / (1.0 + staleness))
             self.counters["downweighted"] += 1
         self._apply(upd.tensors, scale)
         self.version += 1
@@ -468,28 +478,9 @@ class Applier:
                 return f"tensor {name!r}: non-finite values"
         return None
 
-    def _apply(self, grads: Mapping[str, np.ndarray], scale: float) -> None:
-        lr = self.lr * scale
+    def _apply(self, update: Mapping[str, np.ndarray], scale: float) -> None:
         self.t += 1
-        for name, w in self.weights.items():
-            g = np.asarray(grads[name], dtype=w.dtype)
-            if self.optimizer == "sgd":
-                w -= lr * g
-            elif self.optimizer == "momentum":
-                m = self.slots["m"][name]
-                m *= self.momentum
-                m += g
-                w -= lr * m
-            else:
-                m, v = self.slots["m"][name], self.slots["v"][name]
-                b1, b2 = self.beta1, self.beta2
-                m *= b1
-                m += (1.0 - b1) * g
-                v *= b2
-                v += (1.0 - b2) * (g * g)
-                m_hat = m / (1.0 - b1 ** self.t)
-                v_hat = v / (1.0 - b2 ** self.t)
-                w -= lr * m_hat / (np.sqrt(v_hat) + self.eps)
+        self.rule.apply(self.weights, self.slots, update, scale, self.t)
 
     # -- initial weights -----------------------------------------------------------------------
 
@@ -513,7 +504,7 @@ class Applier:
     def _adopt(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
         self.weights = {k: np.array(v, copy=True) for k, v in tensors.items()}
         self.slots = {s: {k: np.zeros_like(w) for k, w in self.weights.items()}
-                      for s in OPTIMIZERS[self.optimizer]}
+                      for s in self.rule.slots}
         self.t = 0
         self.version = version
 
@@ -615,7 +606,7 @@ class Applier:
         self.version = header["version"]
         self.weights = {k: tensors[f"w/{k}"] for k in meta["order"]}
         self.slots = {s: {k: tensors[f"{s}/{k}"] for k in meta["order"]}
-                      for s in OPTIMIZERS[self.optimizer]}
+                      for s in self.rule.slots}
         self.t = meta["t"]
         self.ledger = Ledger.from_array(tensors["ledger"])
         self.counters.update(meta["counters"])
@@ -807,7 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-file", type=Path, default=None,
                    help="the run's key (RUN_DIR/run.key): exchange files are authenticated with "
                         "HMAC-SHA256; without it, tags are plain SHA-256 (integrity only)")
-    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam")
+    p.add_argument("--optimizer", choices=sorted(UPDATE_RULES), default="adam")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--beta1", type=float, default=0.9)

@@ -1,0 +1,5 @@
+import sys
+
+from hpcdl.applier.server import main
+
+sys.exit(main())

@@ -1,0 +1,48 @@
+"""One single-rank group trained twice with the real engine: without an exchange, and with a
+GroupSync that adopts "master weights" equal to the group's own every 2 steps. If an adoption kept
+the inner optimizer's slots, both runs end on the same weights to the bit."""
+
+import json
+import sys
+from pathlib import Path
+
+import horovod.tensorflow as hvd
+import numpy as np
+
+from hpcdl.config import load_job
+from hpcdl.train import GroupPaths, train_group
+from hpcdl.workloads import get_workload
+
+
+class EchoSync:
+    def __init__(self):
+        self.adoptions = 0
+
+    def initial_weights(self, names_and_values):
+        return names_and_values
+
+    def after_step(self, step, grads, weights):
+        if step % 2:
+            return None
+        self.adoptions += 1
+        return {n: np.array(v, copy=True) for n, v in weights().items()}
+
+    def stats(self):
+        return {"exchange_adopted": self.adoptions}
+
+
+out, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])
+hvd.init()
+job = load_job("hep", overrides)
+workload = get_workload("hep")
+stats = workload.compute_stats(job)
+finals = {}
+for name, sync in (("plain", None), ("adopting", EchoSync())):
+    d = out / name
+    paths = GroupPaths(d / "ckpt", d / "metrics.jsonl", d / "state.json", d / "tb")
+    result = train_group(job, workload, hvd, paths, stats, group=0, groups=1,
+                         exchange=sync is not None, sync=sync)
+    finals[name] = {n: v.numpy() for n, v in result.model.named_variables()}
+np.savez(out / "finals.npz", **{f"{k}/{n}": v for k, w in finals.items() for n, v in w.items()})
+print(json.dumps({"adoptions": sync.adoptions}))
+hvd.shutdown()

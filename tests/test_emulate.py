@@ -1,0 +1,57 @@
+"""The straggler and failure emulator: reproducible from its seed, the shape of its draws, its kill."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from hpcdl.config import EmulateConfig
+from hpcdl.emulate import Emulator
+
+
+def test_factors_are_reproducible_per_seed_shard_and_step(tmp_path):
+    c = EmulateConfig(enabled=True, sigma=0.5, stall_probability=0.02, seed=7)
+    a = [Emulator(c, 3, tmp_path / "k").factor(s) for s in range(200)]
+    b = [Emulator(c, 3, tmp_path / "k").factor(s) for s in range(200)]
+    assert a == b
+    assert a != [Emulator(c, 4, tmp_path / "k").factor(s) for s in range(200)]
+    assert a != [Emulator(EmulateConfig(enabled=True, sigma=0.5, stall_probability=0.02, seed=8),
+                          3, tmp_path / "k").factor(s) for s in range(200)]
+
+
+def test_lognormal_mean_one_stalls_and_a_slow_shard():
+    c = EmulateConfig(enabled=True, sigma=0.5, stall_probability=0.02, stall_factor=4.0, slow_shard=1,
+                      slow_factor=2.0)
+    fast = np.array([Emulator(c, 0, None).factor(s) for s in range(20000)])
+    slow = np.array([Emulator(c, 1, None).factor(s) for s in range(20000)])
+    # mean of the lognormal is 1; stalls add 2 % × (4 − 1) = 6 %
+    assert abs(fast.mean() - 1.06) < 0.03
+    assert abs(np.median(np.log(fast[fast < 3.9])) + 0.125) < 0.03  # mean of log X is −σ²/2
+    assert abs(slow.mean() / fast.mean() - 2.0) < 0.1
+    assert all(x == 1.0 for x in (Emulator(EmulateConfig(enabled=True), 0, None).factor(s) for s in range(10)))
+
+
+def test_pace_pads_a_step_to_its_emulated_time(tmp_path):
+    c = EmulateConfig(enabled=True, step_seconds=0.2, slow_shard=0, slow_factor=1.5)
+    em = Emulator(c, 0, tmp_path / "k")
+    start = time.perf_counter()
+    em.pace(1, start)
+    assert 0.29 <= time.perf_counter() - start < 0.5
+    start = time.perf_counter()
+    em.pace(2, start - 1.0)  # a step that already took longer is not slowed further
+    assert time.perf_counter() - start < 0.05
+
+
+def test_the_planned_kill_happens_once_per_run(tmp_path):
+    mark = tmp_path / "killed"
+    code = ("import time; from pathlib import Path; from hpcdl.config import EmulateConfig; "
+            "from hpcdl.emulate import Emulator; "
+            f"e = Emulator(EmulateConfig(enabled=True, kill_shard=2, kill_after_s=0.2, step_seconds=0.05), 2, Path({str(mark)!r})); "
+            "[e.pace(s, time.perf_counter()) for s in range(20)]; print('survived')")
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert first.returncode == -9 and mark.exists() and "survived" not in first.stdout
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "survived" in again.stdout
