@@ -219,18 +219,37 @@ def plan_every_text(plan) -> str:
     a = plan.every_advice
     if a is None:
         return "exchange.every: one group has no exchange; H does not apply"
+    again = (f" (plan again with --set exchange.every={a.every} to see every count at it)"
+             if a.every != plan.inputs.exchange_every else "")
     return (f"exchange.every = {a.every} for {a.groups} groups (kind {a.kind}, "
             f"{a.update_bytes / 1e6:.2f} MB per update): applier {100 * a.applier_utilisation:.0f}% "
             f"busy at {a.updates_per_s:.1f} updates/s, exchange {100 * a.exchange_share:.1f}% of a "
-            f"group's time, mean staleness {a.staleness_mean:.1f} — {a.reason}")
+            f"group's time, mean staleness {a.staleness_mean:.1f} — {a.reason}{again}")
+
+
+def plan_alternative_text(plan) -> str | None:
+    """A group count that would do better at its own H, or None."""
+    a = plan.alternative
+    if a is None:
+        return None
+    unit, prefix = plan.flops_unit()
+    return (f"at its own H: {a.groups} groups of {a.nodes_per_group} nodes with exchange.every = "
+            f"{a.every} would sustain {a.sustained_flops / unit:.2f} {prefix}FLOP/s (mean "
+            f"staleness {a.staleness_mean:.1f}, applier {100 * a.applier_utilisation:.0f}% busy, "
+            f"exchange {100 * a.exchange_share:.1f}% of the time); plan again with "
+            f"--set exchange.every={a.every} to compare every group count at that H")
 
 
 def plan_view(plan):
-    """`hpcdl plan`'s screen: the inputs, the candidates, the two recommendations."""
+    """`hpcdl plan`'s screen: the inputs, the candidates, the recommendations."""
     head = (f"Scale plan for {plan.nodes} nodes — inputs: {escape(plan.inputs.label)} "
             f"(seed {plan.seed})")
-    return Group(head, plan_assumptions_table(plan), plan_candidates_table(plan),
-                 plan_recommendation(plan), plan_every_text(plan))
+    parts = [head, plan_assumptions_table(plan), plan_candidates_table(plan),
+             plan_recommendation(plan), plan_every_text(plan)]
+    alternative = plan_alternative_text(plan)
+    if alternative:
+        parts.append(alternative)
+    return Group(*parts)
 
 
 def paper_check_text(result: Mapping[str, Any]) -> str:
