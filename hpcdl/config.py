@@ -28,6 +28,14 @@ class JobError(ValueError):
     """A job file or override that cannot be used; the message names the field."""
 
 
+def check_plain_text(name: str, value: str) -> None:
+    """Names and paths that end up in run ids, file names and #SBATCH lines: no newlines, tabs or
+    other control characters."""
+    bad = sorted({repr(c) for c in value if ord(c) < 32 or ord(c) == 127})
+    if bad:
+        raise JobError(f"{name} {value!r} contains control characters ({', '.join(bad)}): not allowed")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """How many nodes, in which groups, on which backend."""
@@ -41,6 +49,7 @@ class RunConfig:
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
 
     def validate(self) -> None:
+        check_plain_text("run.runs_dir", self.runs_dir)
         if self.unix_group and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}", self.unix_group):
             raise JobError(f"run.unix_group {self.unix_group!r} is not a unix group name")
         _positive("run.nodes", self.nodes)
@@ -120,6 +129,7 @@ class ExchangeConfig:
     max_pending_per_group: int = 4
 
     def validate(self) -> None:
+        check_plain_text("exchange.directory", self.directory)
         from hpcdl.applier.rules import UPDATE_RULES
 
         if self.enabled not in ("auto", "on", "off"):

@@ -38,6 +38,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
     """(checkpoint directory or prefix, the run it belongs to if `path` is a run)."""
     if (path / "job.toml").is_file() and (path / "run.json").is_file():
         run = RunDir(path)
+        run.info(), run.load_job()  # a torn run.json or job.toml: one line naming it, up front
         ckpt = run.checkpoint_dir(0)
         if not (ckpt / "manifest.json").is_file():
             raise EvaluateError(f"run {path} has no checkpoint yet")

@@ -49,6 +49,10 @@ class RunError(ValueError):
     """No such run, or a directory that is not a run."""
 
 
+class RunIdTaken(RunError):
+    """The run id is already a directory under runs_dir (two submissions in the same second)."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """Paths inside one run directory."""
@@ -97,6 +101,11 @@ class RunDir:
     @property
     def applier_log(self) -> Path:
         return self.root / "applier.log"
+
+    @property
+    def supervisor_storage_file(self) -> Path:
+        """The local supervisor's storage problems (it could not write scheduler/local.json)."""
+        return self.scheduler_dir / REPORT_FILE
 
     def group_dir(self, group: int) -> Path:
         return self.root / "groups" / str(group)
@@ -212,9 +221,17 @@ def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tu
             access.make_dir(staged.group_dir(g))
             StorageReport(staged.storage_file(g), access).close()  # reserved while there is space
         access.make_dir(staged.scheduler_dir)
+        StorageReport(staged.supervisor_storage_file, access).close()
         yield staged, RunDir(final)
         apply_access(staging, access)
-        os.rename(staging, final)
+        if os.path.lexists(final):
+            raise RunIdTaken(f"{final} exists already")
+        try:
+            os.rename(staging, final)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise RunIdTaken(f"{final} exists already") from None
+            raise
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -356,15 +373,18 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line; a torn last line (a writer killed mid-write) is skipped."""
+    """Every complete line; a torn last line (a writer killed mid-write) or a garbled one is
+    skipped."""
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        text = Path(path).read_text(errors="replace")
+    except (FileNotFoundError, IsADirectoryError):
         return []
     records = []
     for line in text.splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records

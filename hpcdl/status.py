@@ -25,11 +25,17 @@ from hpcdl.runs import RunDir, read_jsonl
 from hpcdl.storage import REPORT_FILE, low_space, read_report
 
 
+ENDED = ("finished", "cancelled", "failed", "lost", "timeout", "completed")
+
+
 def _read_json(path) -> dict[str, Any] | None:
+    """A file the run's processes keep rewriting (state, the applier's status): a torn or garbled
+    one reads as missing; the next version will do."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -47,9 +53,12 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         last = metrics[-1] if metrics else {}
         backend = backend_view.get("groups", {}).get(str(g), {})
         reported = state.get("state", "pending")
+        group_state = _group_state(reported, backend.get("state"))
+        # A group that has ended exchanges nothing more: its exchange age stops at its last report.
+        until = last.get("time", now) if group_state in ENDED else now
         groups.append({
             "group": g,
-            "state": _group_state(reported, backend.get("state")),
+            "state": group_state,
             "step": last.get("step", 0),
             "steps": job.train.steps,
             "loss": last.get("loss"),
@@ -58,7 +67,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             "peak_flops_per_s": max((m.get("flops_per_s_group", 0.0) for m in metrics), default=None),
             "sustained_flops_per_s": last.get("sustained_flops_per_s_group"),
             "last_report_age_s": now - last["time"] if "time" in last else None,
-            "exchange_age_s": now - last["exchange_last_s"] if last.get("exchange_last_s") else None,
+            "exchange_age_s": max(0.0, until - last["exchange_last_s"]) if last.get("exchange_last_s") else None,
             "exchange_version": last.get("exchange_version"),
             "published": last.get("exchange_published"),
             "adopted": last.get("exchange_adopted"),
@@ -105,6 +114,7 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
     """Active storage problems (newest first), then low free space; [] when all is well."""
     now = time.time()
     sources = [(f"group {g['group']}", run.storage_file(g["group"])) for g in groups]
+    sources.append(("supervisor", run.supervisor_storage_file))
     if exchange:
         sources.append(("applier", run.exchange_dir(job) / "applier" / REPORT_FILE))
     out = []

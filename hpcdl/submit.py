@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcdl.config import Job, load_job
-from hpcdl.runs import RunDir, create_run, new_run_id
+from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
+from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
 from hpcdl.schedulers import Scheduler, SubmitRequest, get_scheduler
 from hpcdl.schedulers.base import DryRun
 from hpcdl.workloads import get_workload
@@ -30,7 +30,9 @@ class Prepared:
 def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
             cluster: dict[str, Any] | None = None) -> Prepared:
     """Validate and render; no side effects. `cluster` holds facts about the target (SLURM)."""
+    read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
     job = load_job(job_ref, overrides)
+    check_plain_text("the job's name", job.name)  # it starts the run id, a directory name
     scheduler = get_scheduler(job.run.backend)
     if job.run.backend == "local":
         get_workload(job.workload).check_data(job)
@@ -40,15 +42,28 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     return Prepared(job, scheduler, scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster)))
 
 
+RUN_ID_ATTEMPTS = 8
+
+
 def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
-    job, dry = prepared.job, prepared.dryrun
-    with create_run(job, prepared.scheduler.name, run_id=dry.request.run.run_id) as (staged, final):
-        for name, text in dry.files.items():
-            target = staged.root / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text)
-            if text.startswith("#!"):
-                target.chmod(0o755)
+    job = prepared.job
+    for attempt in range(RUN_ID_ATTEMPTS):
+        dry = prepared.dryrun
+        try:
+            with create_run(job, prepared.scheduler.name, run_id=dry.request.run.run_id) as (staged, final):
+                for name, text in dry.files.items():
+                    target = staged.root / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_text(text)
+                    if text.startswith("#!"):
+                        target.chmod(0o755)
+            break
+        except RunIdTaken:
+            # Another submission took the id (same job, same second, same 16 random bits): the
+            # scripts name the run's directory, so they are rendered again for a fresh id.
+            if attempt == RUN_ID_ATTEMPTS - 1:
+                raise
+            prepared = renamed(prepared)
     try:
         ids = prepared.scheduler.schedule(dry, **schedule_options)
     except BaseException:
@@ -58,3 +73,11 @@ def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
         raise
     final.update_info(**{k: v for k, v in ids.items() if k != "ok"})
     return {"run_id": final.run_id, "run_dir": str(final.root), **ids}
+
+
+def renamed(prepared: Prepared) -> Prepared:
+    """The same submission rendered for a new run id."""
+    request = prepared.dryrun.request
+    run = RunDir(request.run.root.parent / new_run_id(prepared.job))
+    fresh = SubmitRequest(request.job, run, request.python, request.cluster)
+    return Prepared(prepared.job, prepared.scheduler, prepared.scheduler.submit_dryrun(fresh))

@@ -23,6 +23,7 @@ from typing import Any, Callable
 from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
+from hpcdl.storage import attempt, storage_report
 
 STATE_FILE = "scheduler/local.json"
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
@@ -71,6 +72,9 @@ class Supervisor:
         self.applier: subprocess.Popen | None = None
         self.applier_restarts = 0
         self.stopping = False
+        # A full disk or quota must not end the run: the ranks and the applier ride it out, and
+        # so does the supervisor (its report is reserved at submit, rewritten in place).
+        self.storage = storage_report(run.supervisor_storage_file, run.access(self.job))
 
     # -- processes -------------------------------------------------------------------------
     def _start_group(self, gp: GroupProcs) -> None:
@@ -132,7 +136,9 @@ class Supervisor:
         return active
 
     def publish(self) -> None:
-        write_json_atomic(self.run.root / STATE_FILE, {
+        """Write scheduler/local.json; a full disk or quota is recorded, and watching goes on
+        (the previous version stays in place)."""
+        attempt(self.storage, "supervisor state", write_json_atomic, self.run.root / STATE_FILE, {
             "supervisor_pid": os.getpid(),
             "updated": time.time(),
             "groups": {
@@ -171,6 +177,7 @@ class Supervisor:
             # The applier drains what is already published, then exits on SIGTERM.
             _terminate([self.applier], grace=30.0)
         self.publish()
+        self.storage.close()
 
 
 def _terminate(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
@@ -236,6 +243,10 @@ class LocalScheduler(Scheduler):
                 if info["state"] in ("running", "pending"):
                     info["state"] = "lost"  # the supervisor died without finishing its groups
                     state["note"] = "the supervisor is gone"
+        applier = state.get("applier")
+        if isinstance(applier, dict) and applier.get("running"):
+            # The record may be stale (a supervisor killed -9 writes nothing more): ask the system.
+            applier["running"] = _pid_runs(applier.get("pid"), run.run_id)
         return state
 
     def is_active(self, run: RunDir) -> bool:
@@ -274,6 +285,18 @@ def _pid_alive(pid: int | None) -> bool:
     except OSError:
         return True  # no /proc: existence is all we know
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
+
+
+def _pid_runs(pid: int | None, run_id: str) -> bool:
+    """The process is alive and is one of this run's (its command line names the run), so a pid
+    reused by another process after the run's applier died does not count."""
+    if not _pid_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: existence is all we know
+    return run_id.encode() in cmdline
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,7 +171,13 @@ def write_splits(out_dir, sizes: Sequence[int],
     a failure leaves any complete older file untouched. Creates ``out_dir`` if needed.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as exc:  # /proc/x, a read-only or foreign directory: one line, nothing written
+        raise ValueError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
     paths = {}
     for i, (name, n) in enumerate(zip(SPLITS, sizes)):
         final = out_dir / f"{name}.h5"

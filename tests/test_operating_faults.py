@@ -1,0 +1,353 @@
+"""Faults met while operating runs (issue 13, item 8): malformed files, control characters,
+run-id collisions, unwritable output directories, ended groups in status. Each bad input is one
+line naming the problem and exit 2, with nothing written."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcdl.cli import main
+from hpcdl.config import JOBS_DIR, JobError, load_job
+from hpcdl.runs import RunDir, RunIdTaken, append_jsonl, create_run, write_json_atomic
+from hpcdl.schedulers.base import DryRun, Scheduler
+from hpcdl.status import collect
+from hpcdl.submit import Prepared, prepare, submit_run
+from tests.conftest import set_args, tiny_overrides
+
+TRUNCATED = b'{"run_id": "hep-1", "backend": "lo'
+BINARY = b"\x00\x9c\xff\xfeELF\x01\x02\x80garbage"
+
+
+def one_error_line(result, fragment):
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"'])
+    with create_run(job, "local") as (_, final):
+        pass
+    return final
+
+
+READERS = [("status", "run.json"), ("status", "job.toml"), ("status", "scheduler/local.json"),
+           ("cancel", "run.json"), ("cancel", "scheduler/local.json"), ("evaluate", "run.json"),
+           ("evaluate", "job.toml")]
+
+
+@pytest.mark.parametrize("command, name", READERS)
+@pytest.mark.parametrize("content", [TRUNCATED, BINARY, b""])
+def test_a_malformed_run_file_is_one_line_naming_it(run, command, name, content):
+    (run.root / name).write_bytes(content)
+    if command == "evaluate":  # it reads the run's files once there is a checkpoint
+        run.checkpoint_dir(0).mkdir(parents=True)
+        (run.checkpoint_dir(0) / "manifest.json").write_text(
+            json.dumps({"job": {}, "workload": "hep", "input_shape": [8, 8, 3]}))
+    result = CliRunner().invoke(main, [command, str(run.root)], catch_exceptions=False)
+    one_error_line(result, str(run.root / name))
+
+
+def test_a_malformed_run_json_under_a_bare_status(run):
+    run.info_file.write_bytes(BINARY)
+    result = CliRunner().invoke(main, ["status", "--runs-dir", str(run.root.parent)], catch_exceptions=False)
+    one_error_line(result, str(run.info_file))
+
+
+def test_garbled_state_and_metrics_do_not_break_status(run):
+    """Files the ranks keep rewriting: a garbled one reads as missing, the next version will do."""
+    run.group_state_file(0).write_bytes(BINARY)
+    append_jsonl(run.metrics_file(0), {"step": 5, "loss": 0.5, "time": time.time()})
+    with open(run.metrics_file(0), "ab") as f:
+        f.write(BINARY + b"\n[1, 2]\n")
+    status = collect(run, backend_view={})
+    assert status["groups"][0]["step"] == 5 and status["groups"][0]["loss"] == 0.5
+
+
+@pytest.mark.parametrize("content", [TRUNCATED, BINARY])
+def test_a_malformed_checkpoint_manifest_is_one_line(tmp_path, content):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_bytes(content)
+    (ckpt / "ckpt-10.index").write_bytes(b"")
+    for target in (ckpt, ckpt / "ckpt-10"):
+        result = CliRunner().invoke(main, ["evaluate", str(target)], catch_exceptions=False)
+        one_error_line(result, str(ckpt / "manifest.json"))
+
+
+@pytest.mark.parametrize("content", [b'name = "x"\nworkload = ', BINARY])
+def test_a_malformed_job_file_is_one_line(tmp_path, content):
+    job = tmp_path / "broken.toml"
+    job.write_bytes(content)
+    result = CliRunner().invoke(main, ["submit", str(job), "--runs-dir", str(tmp_path / "runs")],
+                                catch_exceptions=False)
+    one_error_line(result, str(job))
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("content", [b'{"node_flops": 1e12'])
+def test_malformed_planner_inputs_are_one_line(tmp_path, content):
+    inputs = tmp_path / "inputs.json"
+    inputs.write_bytes(content)
+    result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "8", "--inputs", str(inputs)],
+                                catch_exceptions=False)
+    one_error_line(result, str(inputs))
+
+
+@pytest.mark.parametrize("override, field", [
+    ('run.runs_dir="runs\\nx"', "run.runs_dir"),
+    ('run.runs_dir="runs\\u001b[2Jx"', "run.runs_dir"),
+    ('exchange.directory="/scratch/x\\ny"', "exchange.directory"),
+    ('exchange.directory="/scratch/x\\ty"', "exchange.directory"),
+])
+def test_control_characters_in_paths_are_refused(tmp_path, override, field):
+    with pytest.raises(JobError, match=f"{field} .* contains control characters"):
+        load_job("hep", [override])
+    result = CliRunner().invoke(main, ["submit", "hep", "--backend", "slurm", "--dry-run", "--set", override],
+                                catch_exceptions=False, env={"PATH": "/nonexistent"})
+    one_error_line(result, field)
+
+
+def test_control_characters_in_the_job_name_are_refused(tmp_path, hep_files):
+    job = tmp_path / "bad\nname.toml"
+    shutil.copy(JOBS_DIR / "hep.toml", job)
+    runs = tmp_path / "runs"
+    result = CliRunner().invoke(main, ["submit", str(job), *set_args(tiny_overrides(hep_files, runs)),
+                                       "--backend", "slurm", "--dry-run"], catch_exceptions=False)
+    one_error_line(result, "contains control characters")
+    named = tmp_path / "named.toml"
+    named.write_text((JOBS_DIR / "hep.toml").read_text().replace('workload = "hep"', 'workload = "hep"\nname = "a\\rb"'))
+    result = CliRunner().invoke(main, ["submit", str(named), *set_args(tiny_overrides(hep_files, runs))],
+                                catch_exceptions=False)
+    one_error_line(result, "contains control characters")
+    assert not runs.exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/self/nonexistent/deeper"])
+def test_data_generate_into_a_directory_that_cannot_be_made(out):
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", out, "--events", "10"],
+                                catch_exceptions=False)
+    one_error_line(result, out)
+
+
+def test_data_generate_into_a_read_only_directory(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", str(ro), "--events", "10"],
+                                catch_exceptions=False)
+    one_error_line(result, str(ro))
+    assert list(ro.iterdir()) == []
+
+
+# -- run ids ---------------------------------------------------------------------------------------
+def test_create_run_refuses_an_existing_run_id(run):
+    job = run.load_job()
+    before = sorted(p.name for p in run.root.parent.iterdir())
+    with pytest.raises(RunIdTaken):
+        with create_run(job, "local", run_id=run.run_id):
+            pass
+    assert sorted(p.name for p in run.root.parent.iterdir()) == before  # no staging left behind
+    assert json.loads(run.info_file.read_text())["run_id"] == run.run_id
+
+
+class Recording(Scheduler):
+    """Renders one file naming the run's directory; schedule records what it was given."""
+
+    name = "recording"
+
+    def __init__(self):
+        self.scheduled = []
+
+    def submit_dryrun(self, request):
+        return DryRun(self.name, {"scheduler/where": f"{request.run.root}\n"}, [], request)
+
+    def schedule(self, dryrun, **_):
+        self.scheduled.append(dryrun)
+        return {}
+
+    def describe(self, run):
+        return {}
+
+    def cancel(self, run):
+        return ""
+
+    def is_active(self, run):
+        return False
+
+
+def test_a_run_id_collision_is_retried_with_a_new_id(tmp_path, hep_files, monkeypatch):
+    import hpcdl.submit as submit
+
+    runs = tmp_path / "runs"
+    prepared = prepare("hep", tiny_overrides(hep_files, runs), cluster={})
+    scheduler = Recording()
+    taken = prepared.dryrun.request.run
+    first = Prepared(prepared.job, scheduler, scheduler.submit_dryrun(prepared.dryrun.request))
+    taken.root.mkdir(parents=True)
+    (taken.root / "someone-else's").write_text("x")
+    ids = iter([taken.run_id, "hep-20260101-000000-0001"])  # the first retry collides again
+    monkeypatch.setattr(submit, "new_run_id", lambda job: next(ids))
+    result = submit_run(first)
+    assert result["run_id"] == "hep-20260101-000000-0001"
+    final = Path(result["run_dir"])
+    assert (final / "scheduler/where").read_text() == f"{final}\n"  # rendered for the new id
+    assert json.loads((final / "run.json").read_text())["run_id"] == final.name
+    assert scheduler.scheduled[-1].request.run.root == final
+    assert sorted(p.name for p in runs.iterdir()) == sorted([taken.run_id, final.name])
+    assert (taken.root / "someone-else's").read_text() == "x"
+
+
+# -- status of ended groups ------------------------------------------------------------------------
+@pytest.mark.parametrize("state, frozen", [("finished", True), ("cancelled", True), ("failed", True),
+                                           ("running", False)])
+def test_exchange_age_stops_at_the_end_of_a_group(run, state, frozen):
+    now = time.time()
+    append_jsonl(run.metrics_file(0), {"step": 10, "time": now - 100, "exchange_last_s": now - 130})
+    write_json_atomic(run.group_state_file(0), {"state": "finished" if state == "finished" else "running"})
+    view = {"groups": {"0": {"state": state}}}
+    first = collect(run, backend_view=view)["groups"][0]["exchange_age_s"]
+    time.sleep(1.1)
+    second = collect(run, backend_view=view)["groups"][0]["exchange_age_s"]
+    if frozen:
+        assert first == pytest.approx(30, abs=0.01) and second == pytest.approx(30, abs=0.01)
+    else:
+        assert first >= 130 and second >= first + 1
+
+
+# -- real processes on the local backend -------------------------------------------------------------
+def hpcdl(*args, cwd, check=True, timeout=300):
+    import subprocess
+
+    from tests.conftest import HPCDL
+
+    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def status_json(run_dir, cwd):
+    return json.loads(hpcdl("status", str(run_dir), "--json", cwd=cwd).stdout)
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] != "Z"
+
+
+def stop_leftovers(run_dir):
+    import signal
+
+    try:
+        state = json.loads((run_dir / "scheduler/local.json").read_text())
+    except (OSError, ValueError):
+        return
+    pids = [state.get("supervisor_pid"), (state.get("applier") or {}).get("pid")]
+    pids += [p for g in state["groups"].values() for p in g["pids"]]
+    for pid in pids:
+        if pid and alive(pid) and str(run_dir.name).encode() in open(f"/proc/{pid}/cmdline", "rb").read():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def tiny_runs_fs(tmp_path):
+    from tests.test_hardening_storage import small_fs
+
+    fs = small_fs(tmp_path / "runs", 48 << 10)
+    if fs is None:
+        pytest.skip("cannot mount a tmpfs here (not root, or no permission)")
+    yield fs
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(fs)], capture_output=True)
+
+
+def test_a_full_runs_directory_does_not_end_the_run(hep_files, tmp_path, tiny_runs_fs):
+    """The supervisor cannot write scheduler/local.json on a full disk: it records the problem
+    in scheduler/storage.json (reserved at submit) and goes on watching; the run goes on."""
+    from hpcdl.storage import read_report
+    from tests.test_hardening_storage import fill
+
+    runs = tiny_runs_fs
+    (runs / "filler").touch()  # its inode exists before the disk fills up
+    out = json.loads(hpcdl("submit", "hep", "--detach", "--json",
+                           *set_args(tiny_overrides(hep_files, runs, steps=100000)), cwd=tmp_path).stdout)
+    run_dir, supervisor = runs / out["run_id"], out["supervisor_pid"]
+    report = run_dir / "scheduler" / "storage.json"
+    try:
+        wait_for(lambda: status_json(run_dir, tmp_path)["groups"][0]["step"] > 0, 180, "training")
+        filler = fill(runs)
+        problem = wait_for(lambda: (read_report(report) or {}).get("problems", {}).get("supervisor state"),
+                           30, "the supervisor to record that it cannot write")
+        assert "No space left on device" in problem["error"]
+        time.sleep(3)  # several rounds of watching on the full disk
+        assert alive(supervisor)
+        full = status_json(run_dir, tmp_path)
+        assert full["state"] == "running"
+        assert ("supervisor", "supervisor state") in {(w["where"], w["what"]) for w in full["storage"]}
+        filler.unlink()
+        wait_for(lambda: "supervisor state" in (read_report(report) or {}).get("recovered", {}), 30,
+                 "the supervisor's next report after space came back")
+        step = status_json(run_dir, tmp_path)["groups"][0]["step"]
+        wait_for(lambda: status_json(run_dir, tmp_path)["groups"][0]["step"] > step, 120, "training to go on")
+        assert alive(supervisor)
+        assert "SIGTERM" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+        wait_for(lambda: status_json(run_dir, tmp_path)["state"] == "cancelled", 60, "the cancel")
+        assert "Traceback" not in (run_dir / "scheduler" / "supervisor.log").read_text()
+    finally:
+        stop_leftovers(run_dir)
+
+
+def test_status_after_the_supervisor_is_killed(hep_files, tmp_path):
+    """kill -9 of the supervisor: its last local.json says the applier runs; status asks the
+    system, like it does for the groups, and shows the applier stopped."""
+    import signal
+
+    runs = tmp_path / "runs"
+    out = json.loads(hpcdl("submit", "hep", "--detach", "--json", "--nodes", "2", "--group-size", "1",
+                           *set_args(tiny_overrides(hep_files, runs, steps=100000)), cwd=tmp_path).stdout)
+    run_dir, supervisor = runs / out["run_id"], out["supervisor_pid"]
+    try:
+        wait_for(lambda: (s := status_json(run_dir, tmp_path))["state"] == "running"
+                 and (s["applier"]["backend"] or {}).get("running"), 120, "the applier to run")
+        applier_pid = json.loads((run_dir / "scheduler/local.json").read_text())["applier"]["pid"]
+        os.kill(supervisor, signal.SIGKILL)
+        wait_for(lambda: not alive(applier_pid), 60, "the applier to stop with its supervisor")
+        assert json.loads((run_dir / "scheduler/local.json").read_text())["applier"]["running"] is True  # stale
+        status = status_json(run_dir, tmp_path)
+        assert [g["state"] for g in status["groups"]] == ["lost", "lost"]
+        assert status["applier"]["backend"]["running"] is False
+        assert status["state"] == "failed" and "supervisor is gone" in status["note"]
+        text = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+        assert "stopped" in text and "running" not in text.replace("lost", "")
+        said = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+        assert "nothing to cancel" in said
+    finally:
+        stop_leftovers(run_dir)
