@@ -31,8 +31,15 @@ time. Both fall as H grows; what H costs is convergence: an update covers H step
 computed from weights up to G−1 updates (H·(G−1) group steps) old, which is why the smallest H
 meeting both bounds is recommended (an applier at most half busy keeps its queue, and so the
 staleness, near the unloaded figure; the exchange at most 5 % of the time keeps it off the
-critical path). The closed form gives a first H; the simulation then confirms it, and the
-smallest H it confirms is the advice.
+critical path). The closed form gives a first H (each candidate's ``min_every``, from its own
+simulated t and x at the inputs' H; with K ≥ 1 that x includes queueing, which a larger H
+shrinks, so it errs high); the simulation then confirms it, and the smallest H it confirms for
+the recommended count is the advice. A saturated closed loop (K ≥ 1) holds K·G updates, so its
+staleness is K·G − 1: raising K buys nothing once the applier is the limit.
+
+The table and both rules describe the job as configured (its H); :func:`better_at_own_every`
+answers "and if H may change?" by running every count whose H min exceeds the inputs' H at that
+H min, and naming the best that beats the recommendation by more than the 1 % tie.
 """
 
 from __future__ import annotations
