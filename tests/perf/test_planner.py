@@ -297,9 +297,11 @@ def test_deterministic_for_a_seed():
 
 
 def rendered(renderable, width: int = 400) -> str:
+    import io
+
     from rich.console import Console
 
-    console = Console(width=width, record=True, file=open("/dev/null", "w"))
+    console = Console(width=width, record=True, file=io.StringIO())
     console.print(renderable)
     return console.export_text()
 
