@@ -295,13 +295,15 @@ def recommend(candidates: Sequence[GroupPlan]) -> int | None:
 def recommend_every(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
                     staleness_bound: float = 8.0,
                     max_utilisation: float = MAX_APPLIER_UTILISATION,
-                    max_exchange_share: float = MAX_EXCHANGE_SHARE) -> EveryAdvice:
+                    max_exchange_share: float = MAX_EXCHANGE_SHARE,
+                    known: GroupPlan | None = None) -> EveryAdvice:
     """The smallest H whose simulation meets the H rule for `groups` (see the module docstring).
 
-    The closed form's H (from the candidate at the inputs' own H) is simulated; a search then
-    finds the smallest H the simulation confirms, assuming that load and share fall with H.
+    The closed form's H (from the candidate at the inputs' own H; `known`, if already
+    evaluated) is simulated; a search then finds the smallest H the simulation confirms,
+    assuming that load and share fall with H.
     """
-    tried: dict[int, GroupPlan] = {}
+    tried: dict[int, GroupPlan] = {known.every: known} if known is not None else {}
 
     def at(h: int) -> GroupPlan:
         if h not in tried:
@@ -400,7 +402,8 @@ def plan(inputs: PlanInputs, nodes: int, candidates: Sequence[int] | None = None
     chosen = recommend(results)
     advice = None
     if chosen is not None and chosen > 1:
-        advice = recommend_every(inputs, nodes, chosen, **kw)
+        advice = recommend_every(inputs, nodes, chosen, **kw,
+                                 known=next(c for c in results if c.groups == chosen))
     alternative = better_at_own_every(inputs, nodes, results, chosen, **kw)
     return Plan(inputs, nodes, seed, staleness_bound, results, chosen, advice, alternative,
                 max_utilisation, max_exchange_share)

@@ -352,10 +352,11 @@ def test_plan_without_inputs_measures_this_machine(monkeypatch):
 
 
 def test_runtime_under_two_seconds_for_9600_nodes():
+    # CPU time, not wall time: the planner's own cost, whatever else shares the machine
     for inputs in (PlanInputs.paper_cori_hep(), PlanInputs.measured_here(50e9)):
-        start = time.perf_counter()
+        start = time.process_time()
         plan(inputs, 9600)
-        assert time.perf_counter() - start < 2.0
+        assert time.process_time() - start < 2.0
 
 
 # -- inputs --------------------------------------------------------------------------------------
