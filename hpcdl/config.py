@@ -220,6 +220,9 @@ class TuningConfig:
             raise JobError(f"tuning.precision must be float32 or bfloat16, got {self.precision!r}")
 
 
+SLURM_STOP_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
+
+
 @dataclass(frozen=True)
 class SlurmConfig:
     """What a site sets for its cluster; every value is quoted when rendered."""
@@ -232,6 +235,7 @@ class SlurmConfig:
     time: str = "01:00:00"
     cpus_per_task: int = 0
     signal_seconds: int = 120
+    signal: str = "USR1"  # what SLURM sends the batch shell signal_seconds before the limit
     extra_sbatch: list[str] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
     template_dir: str = ""
@@ -243,6 +247,9 @@ class SlurmConfig:
             raise JobError(f"slurm.cpus_per_task must be >= 0, got {self.cpus_per_task}")
         if self.signal_seconds < 0:
             raise JobError(f"slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
+        if self.signal not in SLURM_STOP_SIGNALS:
+            raise JobError(f"slurm.signal must be one of {', '.join(SLURM_STOP_SIGNALS)} "
+                           f"(without SIG), got {self.signal!r}")
 
 
 COMMON_SECTIONS: dict[str, type] = {

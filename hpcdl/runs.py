@@ -103,6 +103,13 @@ class RunDir:
         return self.root / "applier.log"
 
     @property
+    def cancel_mark(self) -> Path:
+        """Left by `hpcdl cancel` (SLURM): a group or applier stopped by the cancel's signal must not
+        requeue itself (the batch scripts look for it; with slurm.signal = "TERM" a cancel looks
+        like the warning signal)."""
+        return self.scheduler_dir / "cancelled"
+
+    @property
     def supervisor_storage_file(self) -> Path:
         """The local supervisor's storage problems (it could not write scheduler/local.json)."""
         return self.scheduler_dir / REPORT_FILE

@@ -146,8 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # Installed first: SLURM's warning signal may come while TensorFlow is still loading.
+    # SIGINT (Ctrl-C) and SIGTERM (a cancel, the supervisor's stop) ask for the same as USR1: the
+    # group agrees on a step, checkpoints there and stops -- no KeyboardInterrupt traceback.
     stop = {"requested": False}
-    signal.signal(signal.SIGUSR1, lambda *_: stop.update(requested=True))
+    for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
+        signal.signal(stop_signal, lambda *_: stop.update(requested=True))
     run = RunDir(args.run_dir)
     job = run.load_job()
     os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)

@@ -24,9 +24,12 @@ from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 from hpcdl.storage import attempt, storage_report
+from hpcdl.worker import REQUEUE_MARK
 
 STATE_FILE = "scheduler/local.json"
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
+APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
 
 
 def _die_with_parent() -> None:
@@ -118,7 +121,11 @@ class Supervisor:
                 gp.exit_codes = codes
                 if all(c == 0 for c in codes):
                     self._stop_group(gp)
-                    gp.state = "finished"
+                    requeue = self.run.group_dir(gp.group) / REQUEUE_MARK
+                    # A signal to the ranks themselves (Ctrl-C, a SIGTERM) stops them after a
+                    # checkpoint, with exit 0 and the requeue mark: stopped, not finished.
+                    gp.state = "cancelled" if requeue.exists() else "finished"
+                    requeue.unlink(missing_ok=True)
                 elif any(c not in (None, 0) for c in codes):
                     self._stop_group(gp)
                     if gp.restarts >= self.job.run.max_restarts:
@@ -162,17 +169,31 @@ class Supervisor:
                 if on_tick:
                     on_tick()
                 time.sleep(interval)
+            if not self.stopping and all(gp.state == "finished" for gp in self.groups.values()):
+                self._drain_applier(interval)
         finally:
             self.shutdown()
         if on_tick:
             on_tick()
         return all(gp.state == "finished" for gp in self.groups.values())
 
+    def _drain_applier(self, interval: float) -> None:
+        """Every group finished: the applier ends by itself once nothing is left to apply (see
+        hpcdl.worker.serve_applier), so let it, rather than stop it with updates pending (it may
+        be waiting out a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
+        deadline = time.monotonic() + APPLIER_DRAIN_S
+        while (self.applier is not None and self.applier.poll() is None and not self.stopping
+               and time.monotonic() < deadline):
+            self.publish()
+            time.sleep(interval)
+
     def shutdown(self) -> None:
-        for gp in self.groups.values():
-            if gp.state in ("running", "pending"):
-                self._stop_group(gp)
-                gp.state = "cancelled"
+        stopping = [gp for gp in self.groups.values() if gp.state in ("running", "pending")]
+        # All groups at once: each checkpoints at its stop (hpcdl.worker), in parallel.
+        _terminate([p for gp in stopping for p in gp.procs], grace=STOP_GRACE_S)
+        for gp in stopping:
+            self._stop_group(gp)
+            gp.state = "cancelled"
         if self.applier is not None:
             # The applier drains what is already published, then exits on SIGTERM.
             _terminate([self.applier], grace=30.0)

@@ -19,7 +19,7 @@ from typing import Any
 
 from hpcdl.config import Job, JobError
 from hpcdl.resources import shipped_dir
-from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
+from hpcdl.runs import RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
 TEMPLATES_DIR = shipped_dir("slurm_templates")
@@ -122,7 +122,7 @@ def render_group_script(request: SubmitRequest) -> str:
                                    job.run.ranks_per_node, s.cpus_per_task)
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if s.signal_seconds:
-        directives.append(f"#SBATCH --signal=B:USR1@{s.signal_seconds}")
+        directives.append(f"#SBATCH --signal=B:{s.signal}@{s.signal_seconds}")
     return fill(load_template(job, "group.sbatch"), {
         "sbatch_directives": "\n".join(directives),
         "setup": _setup_lines(job),
@@ -133,6 +133,8 @@ def render_group_script(request: SubmitRequest) -> str:
         "srun_cpus": srun_cpus,
         "rendezvous_host": shlex.quote(s.rendezvous_host) if s.rendezvous_host else "$(hostname)",
         "gloo_iface": shlex.quote(s.gloo_iface),
+        "signal": s.signal,
+        "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
     }, "group.sbatch")
 
 
@@ -142,12 +144,14 @@ def render_applier_script(request: SubmitRequest) -> str:
     directives = sbatch_directives(job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, 1, 1)
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if job.slurm.signal_seconds:
-        directives.append(f"#SBATCH --signal=B:USR1@{job.slurm.signal_seconds}")
+        directives.append(f"#SBATCH --signal=B:{job.slurm.signal}@{job.slurm.signal_seconds}")
     return fill(load_template(job, "applier.sbatch"), {
         "sbatch_directives": "\n".join(directives),
         "setup": _setup_lines(job),
         "run_dir": shlex.quote(str(request.run.root.resolve())),
         "python": shlex.quote(request.python),
+        "signal": s.signal,
+        "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
     }, "applier.sbatch")
 
 
@@ -316,6 +320,10 @@ class SlurmScheduler(Scheduler):
         targets = self._job_ids(run)
         if self.is_active(run) is False:
             return f"nothing to cancel: SLURM jobs {', '.join(targets)} have ended"
+        try:
+            write_bytes_atomic(run.cancel_mark, b"")  # no requeue after the cancel's signal
+        except OSError:
+            pass  # a full disk must not stop the cancel (an element signalled by it may requeue)
         proc = _run(["scancel", *targets])
         if proc.returncode != 0 and "already completed" not in proc.stderr and "Invalid job id" not in proc.stderr:
             raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")
