@@ -126,7 +126,7 @@ class ExchangeConfig:
     max_staleness: int = 16
     stale_policy: str = "drop"
     keep_versions: int = 3
-    max_pending_per_group: int = 4
+    max_pending_per_group: int = 16  # twice the applier's batch: a keeping-up applier loses none
 
     def validate(self) -> None:
         check_plain_text("exchange.directory", self.directory)

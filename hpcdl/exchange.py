@@ -4,12 +4,38 @@ Pure numpy + stdlib. Tensors are ``dict[str, np.ndarray]``. Nothing here imports
 
 Roles
 =====
-* A **group root** (rank 0 of a synchronous Horovod group) publishes, after a synchronous step,
-  the group-averaged gradient as an *update* file, and adopts the newest *weights* file when one
-  newer than its own copy exists. It never waits for the applier: publishing is a local write
-  and a rename, reading the newest version is a directory listing plus one file read.
+* A **group root** (rank 0 of a synchronous Horovod group) publishes an *update* file every
+  H = ``exchange.every`` steps (see the algorithms below) and adopts the newest *weights* file
+  when one newer than its own copy exists. Publishing is a local write and a rename, reading the
+  newest version a directory listing plus one file read; a root waits for the applier only when
+  ``exchange.max_outstanding`` asks it to (:mod:`hpcdl.hybrid`).
 * The **applier** (:mod:`hpcdl.applier`) keeps the master weights, applies updates in arrival
-  order and publishes new weight versions. It alone deletes applied updates and old versions.
+  order with its update rule (:mod:`hpcdl.applier.rules`) and publishes new weight versions. It
+  alone deletes applied updates and old versions.
+
+Algorithms (``exchange.kind``)
+==============================
+Both use the same files; they differ in what an update holds and in the applier's rule.
+
+* ``gradient`` -- the paper's (Kurth et al. 2017, after Dean et al.'s Downpour SGD): an update is
+  the mean of the group-averaged gradients of the last H steps; the applier takes one optimizer
+  step per update (``exchange.optimizer``, Adam by default). With ``staleness_scaling`` the step
+  is taken at ``lr / max(1, staleness)`` (Zhang et al. 2016, "Staleness-aware Async-SGD"). With
+  ``max_outstanding = 1`` each root waits for its update's answer before training on, as the
+  paper's Intel Caffe parameter server made each group root block on its reply: staleness is then
+  about G − 1 for G groups.
+* ``delta`` -- local SGD with an outer optimizer (DiLoCo, Douillard et al. 2023; its asynchronous
+  form, Liu et al. 2024): a group runs H local steps with its inner optimizer, publishes the
+  pseudo-gradient ``θ_base − θ_local`` (float32, or float16 with ``delta_dtype``, which OpenDiLoCo
+  reports costs nothing in accuracy), and continues from the newest master weights with its
+  inner optimizer's slots untouched; ``θ_base`` becomes the weights it continues from. The
+  applier treats each delta as a gradient for its outer rule: ``nesterov`` with momentum delayed
+  over N = G arrivals (Liu et al.'s remedy for the momentum that stale arrivals amplify;
+  Mitliagkas et al. 2016) is the asynchronous counterpart of synchronous DiLoCo's outer Nesterov
+  step over G workers; ``sgd`` at lr 1/G is asynchronous model averaging.
+
+In both, the staleness of an update is the number of master versions applied between the
+version its group's weights came from (``base_version``) and its own application.
 
 Directory layout (owned by :class:`Channel`; ``root`` is one run's exchange directory)
 =======================================================================================
@@ -106,7 +132,8 @@ perturbs the order *between* groups. A group's own updates are always listed in 
 Backlog bound (the applier may be slow or down; groups never stall)
 ===================================================================
 With ``max_pending_per_group=N``, :meth:`Channel.publish_update` publishes the new update and then
-deletes this group's *oldest* pending updates until at most N remain. The newest gradients are the
+deletes this group's *oldest* pending updates until at most N remain; updates the applier reports
+processed (``status.json``'s ``last_seq``) are not pending, even while their files remain. The newest gradients are the
 most useful when the applier catches up, and the directory stays bounded at N files a group with
 no applier at all. Deleting a file the applier is reading is harmless: an open file stays readable,
 and a file that vanished before it was opened is skipped (counted as ``vanished``).
@@ -641,7 +668,10 @@ class Channel:
                            group=group, seq=seq, base_version=base_version)
         self.last_dropped = []
         if self.max_pending_per_group is not None:
-            mine = sorted((r for r in self.pending_updates() if r.group == group),
+            # Files the applier has processed are still listed until it deletes them after its
+            # commit: they are neither pending nor ours to delete (nor to count as dropped).
+            answered = self.answered_seq(group)
+            mine = sorted((r for r in self.pending_updates() if r.group == group and r.seq > answered),
                           key=lambda r: r.seq)
             for ref in mine[:max(0, len(mine) - self.max_pending_per_group)]:
                 try:
@@ -687,17 +717,19 @@ class Channel:
         return Update(header["group"], header["seq"], header["base_version"], tensors, path,
                       header["created"])
 
+    def answered_seq(self, group: int) -> int:
+        """The newest seq of ``group`` that the applier reports processed (-1: none)."""
+        last = (self.read_status() or {}).get("last_seq", {})
+        seq = last.get(str(group), -1) if isinstance(last, dict) else -1
+        return seq if _is_int(seq) else -1
+
     def next_seq(self, group: int) -> int:
         """One past the highest seq of ``group`` that is pending or reported processed."""
         best = -1
         for _, m in self._listing(self.updates_dir, _UPDATE_RE):
             if int(m.group(1)) == group:
                 best = max(best, int(m.group(2)))
-        status = self.read_status() or {}
-        last = status.get("last_seq", {})
-        if isinstance(last, dict) and _is_int(last.get(str(group))):
-            best = max(best, last[str(group)])
-        return best + 1
+        return max(best, self.answered_seq(group)) + 1
 
     # -- weights -------------------------------------------------------------------------------
 

@@ -149,10 +149,7 @@ class ExchangeSync:
 
     def unanswered(self) -> int:
         """Published updates of this group that the applier has not processed yet."""
-        status = self.channel.read_status() or {}
-        last = status.get("last_seq", {})
-        answered = last.get(str(self.group), -1) if isinstance(last, dict) else -1
-        self.answered = answered if isinstance(answered, int) else -1
+        self.answered = self.channel.answered_seq(self.group)
         return max(0, min(self.published, self.seq - 1 - self.answered))
 
     def _await_replies(self) -> None:

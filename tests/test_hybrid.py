@@ -205,3 +205,16 @@ def test_delta_groups_train_through_the_applier_across_its_kill(hep_files, tmp_p
     result = json.loads(subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True,
                                        text=True, check=True).stdout)
     assert result["model"].startswith("master weights v") and result["auc_weighted"] > 0.9
+
+
+def test_a_healthy_run_with_the_default_bounds_loses_no_update(hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([HPCDL, "submit", "hep", "--nodes", "4", "--group-size", "2", "--json",
+                             *set_args(tiny_overrides(hep_files, runs, steps=60))],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finish(proc)
+    (run_dir,) = [p for p in runs.iterdir() if not p.name.startswith(".")]
+    status = applied_exactly_once(run_dir)
+    assert status["counts"]["applied"] == 120  # every step's gradient of both groups
+    for g in (0, 1):
+        assert read_jsonl(run_dir / f"groups/{g}/metrics.jsonl")[-1]["exchange_backlog_dropped"] == 0
