@@ -115,6 +115,11 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
         _emit_json(result)
     else:
         console.print(f"run: [bold]{result['run_dir']}[/]")
+        if result.get("slurm_array_job_id"):
+            applier = result.get("slurm_applier_job_id")
+            console.print(f"SLURM jobs: group array {result['slurm_array_job_id']} "
+                          f"(elements 0-{prepared.job.run.groups - 1})"
+                          + (f", applier {applier}" if applier else ""))
         if result.get("ok") is False:
             err.print("[red]the run did not finish: see `hpcdl status` and the logs under groups/[/]")
     if result.get("ok") is False:
@@ -184,6 +189,34 @@ def cancel(run, runs_dir):
     from hpcdl.schedulers import cancel_run
 
     click.echo(cancel_run(run, runs_dir))
+
+
+# -- logs -----------------------------------------------------------------------------------------
+@main.command()
+@click.argument("run", required=False)
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--group", "group", type=click.IntRange(min=0), help="Only this group's logs.")
+@click.option("--rank", "rank", type=click.IntRange(min=0), help="With --group: only this rank's log (local backend).")
+@click.option("--applier", is_flag=True, help="The applier's logs (with --group: both).")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing what is appended, and new files, until Ctrl-C.")
+def logs(run, runs_dir, group, rank, applier, follow):
+    """Print a run's log files (default: the newest run under --runs-dir): every rank's, the
+    applier's, the local supervisor's and SLURM's output files, each under a ==> path <== header."""
+    from hpcdl.logs import select, stream
+    from hpcdl.runs import find_run
+
+    run_dir = find_run(run, runs_dir)
+    run_dir.info()  # a torn run.json: one line naming it
+    files, note = select(run_dir, group, rank, applier)
+    if note:
+        err.print(note)
+    if not files and not follow:
+        err.print(f"no log files yet in {run_dir.root}")
+        return
+    try:
+        stream(lambda: select(run_dir, group, rank, applier)[0], click.get_binary_stream("stdout"), follow=follow)
+    except KeyboardInterrupt:
+        pass
 
 
 # -- evaluate -------------------------------------------------------------------------------------

@@ -59,6 +59,12 @@ def status_view(status: Mapping[str, Any]):
                        si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")), stale,
                        str(g["restarts"]))
     parts = [groups]
+    for g in status["groups"]:
+        if "logs" in g:
+            reason = escape(g["last_error"]) if g.get("last_error") else "no error line in its logs"
+            where = ", ".join(escape(p) for p in g["logs"]) or "no log files"
+            parts.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
+                         f"(hpcdl logs {escape(status['run_dir'])} --group {g['group']})")
     warnings = storage_warnings(status.get("storage") or [])
     if warnings is not None:
         parts.insert(0, warnings)

@@ -100,7 +100,36 @@ class RunDir:
 
     @property
     def applier_log(self) -> Path:
+        """The applier's output on the local backend."""
         return self.root / "applier.log"
+
+    @property
+    def supervisor_log(self) -> Path:
+        """The detached local supervisor's output."""
+        return self.scheduler_dir / "supervisor.log"
+
+    @property
+    def slurm_group_output(self) -> str:
+        """sbatch's --output pattern of the group array (one file per element: its ranks and
+        its batch script)."""
+        return str(self.group_dir(0).parent / "%a" / "slurm-%A_%a.out")
+
+    @property
+    def slurm_applier_output(self) -> str:
+        """sbatch's --output pattern of the applier's job."""
+        return str(self.root / "applier-%j.out")
+
+    def group_logs(self, group: int) -> list[Path]:
+        """The log files of a group that exist: each rank's (local backend), then SLURM's
+        output of its array element(s)."""
+        d = self.group_dir(group)
+        ranks = sorted(d.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
+        return ranks + sorted(d.glob("slurm-*.out"))
+
+    def applier_logs(self) -> list[Path]:
+        """The applier's log files that exist (local backend, then SLURM's output)."""
+        local = [self.applier_log] if self.applier_log.is_file() else []
+        return local + sorted(self.root.glob("applier-*.out"))
 
     @property
     def cancel_mark(self) -> Path:

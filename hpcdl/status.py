@@ -26,6 +26,7 @@ from hpcdl.storage import REPORT_FILE, low_space, read_report
 
 
 ENDED = ("finished", "cancelled", "failed", "lost", "timeout", "completed")
+FAILED = ("failed", "lost", "timeout")
 
 
 def _read_json(path) -> dict[str, Any] | None:
@@ -76,6 +77,14 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
             "backend": backend,
         })
+    for entry in groups:
+        if entry["state"] in FAILED:
+            # Where to look, and the reason when the logs say it (a missing file, a crash).
+            from hpcdl.logs import last_error
+
+            logs = run.group_logs(entry["group"])
+            entry["logs"] = [str(p) for p in logs]
+            entry["last_error"] = last_error(logs)
     applier = None
     if job.exchange.active(job.run.groups):
         applier = _applier_summary(_read_json(run.exchange_dir(job) / "applier" / "status.json") or {})

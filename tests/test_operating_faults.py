@@ -43,7 +43,7 @@ def run(tmp_path) -> RunDir:
 
 READERS = [("status", "run.json"), ("status", "job.toml"), ("status", "scheduler/local.json"),
            ("cancel", "run.json"), ("cancel", "scheduler/local.json"), ("evaluate", "run.json"),
-           ("evaluate", "job.toml")]
+           ("evaluate", "job.toml"), ("logs", "run.json")]
 
 
 @pytest.mark.parametrize("command, name", READERS)

@@ -243,7 +243,7 @@ class LocalScheduler(Scheduler):
             finally:
                 signal.signal(signal.SIGTERM, previous)
             return {"supervisor_pid": os.getpid(), "ok": ok}
-        log = _open_log(run.root / "scheduler" / "supervisor.log")
+        log = _open_log(run.supervisor_log)
         proc = subprocess.Popen(
             [dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,

@@ -157,14 +157,14 @@ def render_applier_script(request: SubmitRequest) -> str:
 
 def sbatch_commands(request: SubmitRequest) -> dict[str, list[str]]:
     """The exact sbatch calls; paths go as arguments, never through a shell."""
-    run = request.run.root.resolve()
+    run = RunDir(request.run.root.resolve())
     groups = request.job.run.groups
     commands = {}
     if request.job.exchange.active(groups):
-        commands["applier"] = ["sbatch", "--parsable", f"--output={run}/applier-%j.out",
-                               str(run / APPLIER_SCRIPT)]
+        commands["applier"] = ["sbatch", "--parsable", f"--output={run.slurm_applier_output}",
+                               str(run.root / APPLIER_SCRIPT)]
     commands["array"] = ["sbatch", "--parsable", f"--array=0-{groups - 1}",
-                         f"--output={run}/groups/%a/slurm-%A_%a.out", str(run / GROUP_SCRIPT)]
+                         f"--output={run.slurm_group_output}", str(run.root / GROUP_SCRIPT)]
     return commands
 
 
