@@ -61,7 +61,7 @@ def main() -> None:
 # -- submit --------------------------------------------------------------------------------------
 @main.command()
 @click.argument("job")
-@click.option("--backend", type=click.Choice(["local", "slurm"]), help="Where to run (default: the job's run.backend).")
+@click.option("--backend", type=click.Choice(["auto", "local", "slurm"]), help="Where to run (default: the job's run.backend, auto: SLURM where sbatch is on PATH and the controller answers, else this machine).")
 @click.option("--nodes", type=click.IntRange(min=1), help="Nodes in total (run.nodes).")
 @click.option("--group-size", type=click.IntRange(min=0), help="Nodes per synchronous group; must divide --nodes (run.group_size, 0 = one group).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), help="Horovod ranks per node (run.ranks_per_node).")
@@ -84,7 +84,7 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
                        ("run.runs_dir", runs_dir and json.dumps(str(runs_dir)))):
         if value is not None:
             cli_overrides.append(f"{key}={value}")
-    prepared = prepare(job, cli_overrides)
+    prepared = prepare(job, cli_overrides, on_note=lambda note: err.print(note, soft_wrap=True, markup=False))
     if dry_run:
         text = prepared.dryrun.render()
         _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,

@@ -43,7 +43,7 @@ class RunConfig:
     nodes: int = 1
     group_size: int = 0  # 0: all nodes form one synchronous group
     ranks_per_node: int = 1
-    backend: str = "local"
+    backend: str = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
     runs_dir: str = "runs"
     max_restarts: int = 3  # per group, before the run gives that group up
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
@@ -60,8 +60,8 @@ class RunConfig:
             raise JobError(
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
             )
-        if self.backend not in ("local", "slurm"):
-            raise JobError(f"run.backend must be 'local' or 'slurm', got {self.backend!r}")
+        if self.backend not in ("auto", "local", "slurm"):
+            raise JobError(f"run.backend must be 'auto', 'local' or 'slurm', got {self.backend!r}")
 
     @property
     def nodes_per_group(self) -> int:

@@ -7,15 +7,16 @@ the directory is removed, so a failed submission leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
-from hpcdl.schedulers import Scheduler, SubmitRequest, get_scheduler
+from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
 from hpcdl.workloads import get_workload
 
@@ -25,21 +26,32 @@ class Prepared:
     job: Job
     scheduler: Scheduler
     dryrun: DryRun
+    note: str = ""  # for the user: which backend run.backend = "auto" chose, and why
 
 
 def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
-            cluster: dict[str, Any] | None = None) -> Prepared:
-    """Validate and render; no side effects. `cluster` holds facts about the target (SLURM)."""
+            cluster: dict[str, Any] | None = None, on_note: Callable[[str], None] | None = None) -> Prepared:
+    """Validate and render; no side effects. `cluster` holds facts about the target (SLURM's
+    MaxArraySize, this machine's cores). `on_note` hears at once which backend "auto" chose, so
+    the user knows it even when a check then refuses the job."""
     read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
     job = load_job(job_ref, overrides)
     check_plain_text("the job's name", job.name)  # it starts the run id, a directory name
+    note = ""
+    if job.run.backend == "auto":
+        backend, why = choose_backend()
+        job = job.replace(run=dataclasses.replace(job.run, backend=backend))  # job.toml says which
+        note = f"backend: {backend} ({why}; --backend chooses)"
+        if on_note:
+            on_note(note)
     scheduler = get_scheduler(job.run.backend)
-    if job.run.backend == "local":
-        get_workload(job.workload).check_data(job)
     if cluster is None:
         cluster = scheduler.cluster_facts()
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
-    return Prepared(job, scheduler, scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster)))
+    dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
+    if job.run.backend == "local":
+        get_workload(job.workload).check_data(job)
+    return Prepared(job, scheduler, dryrun, note)
 
 
 RUN_ID_ATTEMPTS = 8
@@ -80,4 +92,4 @@ def renamed(prepared: Prepared) -> Prepared:
     request = prepared.dryrun.request
     run = RunDir(request.run.root.parent / new_run_id(prepared.job))
     fresh = SubmitRequest(request.job, run, request.python, request.cluster)
-    return Prepared(prepared.job, prepared.scheduler, prepared.scheduler.submit_dryrun(fresh))
+    return Prepared(prepared.job, prepared.scheduler, prepared.scheduler.submit_dryrun(fresh), prepared.note)

@@ -46,7 +46,7 @@ def tiny_overrides(files: dict[str, Path], runs_dir: Path, steps: int = 20) -> l
         f'data.train="{files["train"]}"', f'data.test="{files["test"]}"', f'data.val="{files["test"]}"',
         f"train.steps={steps}", "train.batch_per_rank=16", "train.log_every=5", "train.checkpoint_every=10",
         "model.filters=8", "model.conv_layers=2", "model.dropout=0.0", "data.chunk_events=256",
-        f'run.runs_dir="{runs_dir}"',
+        f'run.runs_dir="{runs_dir}"', "run.backend=local",  # not auto: a test cluster may answer
     ]
 
 

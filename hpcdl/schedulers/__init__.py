@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from hpcdl.runs import RunDir, RunError, find_run, list_runs
@@ -18,6 +19,19 @@ def get_scheduler(name: str) -> Scheduler:
 
         return SlurmScheduler()
     raise SchedulerError(f"unknown backend {name!r} (local or slurm)")
+
+
+def choose_backend() -> tuple[str, str]:
+    """run.backend = "auto": (backend, why). SLURM where `sbatch` is on PATH and the controller
+    answers `scontrol ping`; this machine otherwise."""
+    if shutil.which("sbatch") is None:
+        return "local", "run.backend = auto and there is no sbatch on PATH"
+    from hpcdl.schedulers.slurm import SlurmScheduler
+
+    answers, detail = SlurmScheduler().controller_answers()
+    if answers:
+        return "slurm", "run.backend = auto: sbatch is on PATH and the SLURM controller answers"
+    return "local", f"run.backend = auto: sbatch is on PATH but the SLURM controller does not answer ({detail})"
 
 
 def scheduler_of(run: RunDir) -> Scheduler:
@@ -59,5 +73,5 @@ def cancel_run(ref: str | None, runs_dir: str | Path = "runs") -> str:
     return f"the newest active run is {run.run_id}: {scheduler_of(run).cancel(run)}"
 
 
-__all__ = ["Scheduler", "SchedulerError", "SubmitRequest", "cancel_run", "get_scheduler",
+__all__ = ["Scheduler", "SchedulerError", "SubmitRequest", "cancel_run", "choose_backend", "get_scheduler",
            "newest_active_run", "scheduler_of"]

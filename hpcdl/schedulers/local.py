@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from hpcdl.config import JobError
 from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
@@ -28,6 +29,8 @@ from hpcdl.worker import REQUEUE_MARK
 
 STATE_FILE = "scheduler/local.json"
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
+LOCAL_RANKS_PER_CORE = 4  # a rank per core is best; a few share one (tests, a small hybrid run)
+LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
 STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
 
@@ -214,11 +217,52 @@ def _terminate(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
             p.wait()
 
 
+def machine_facts() -> dict[str, Any]:
+    """The cores this process may use and the memory available (Linux's MemAvailable)."""
+    facts: dict[str, Any] = {}
+    try:
+        facts["cores"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        facts["cores"] = os.cpu_count() or 1
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                facts["memory_available"] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return facts
+
+
+def check_capacity(job, facts: dict[str, Any]) -> None:
+    """Refuse a local run that this machine cannot hold: more than LOCAL_RANKS_PER_CORE processes
+    per core, or LOCAL_RANK_MEMORY each beyond the memory available (`hpcdl submit hep --nodes
+    9600` on a login node)."""
+    cores, memory = facts.get("cores"), facts.get("memory_available")
+    if not cores:
+        return
+    ranks = job.run.nodes * job.run.ranks_per_node
+    processes = ranks + (1 if job.exchange.active(job.run.groups) else 0)
+    limit = cores * LOCAL_RANKS_PER_CORE
+    if memory:
+        limit = min(limit, max(1, int(memory // LOCAL_RANK_MEMORY)))
+    if processes > limit:
+        held = f"{cores} cores" + (f", {memory / 2**30:.1f} GiB available" if memory else "")
+        raise JobError(
+            f"{ranks} ranks ({job.run.nodes} nodes x {job.run.ranks_per_node}) are more than this machine "
+            f"can run ({held}: at most {limit} processes here); use --backend slurm on a cluster, "
+            f"or fewer --nodes"
+        )
+
+
 class LocalScheduler(Scheduler):
     name = "local"
 
+    def cluster_facts(self) -> dict[str, Any]:
+        return machine_facts()
+
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         job, run = request.job, request.run
+        check_capacity(job, request.cluster)
         commands = []
         if job.exchange.active(job.run.groups):
             commands.append(applier_command(request.python, run))

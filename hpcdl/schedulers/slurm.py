@@ -229,6 +229,15 @@ class SlurmScheduler(Scheduler):
             return {}
         return parse_scontrol_config(proc.stdout) if proc.returncode == 0 else {}
 
+    def controller_answers(self) -> tuple[bool, str]:
+        """Whether `scontrol ping` finds the controller up, and what it said otherwise."""
+        try:
+            proc = _run(["scontrol", "ping"], timeout=10)
+        except SchedulerError as exc:
+            return False, str(exc)
+        said = " ".join((proc.stdout + proc.stderr).split())
+        return proc.returncode == 0 and " UP" in f" {said}", said or f"exit {proc.returncode}"
+
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         job = request.job
         limit = request.cluster.get("max_array_size")

@@ -1,0 +1,108 @@
+"""run.backend = "auto" and the local backend's size check (issue 13, item 4): `hpcdl submit hep
+--nodes 9600`, exactly as the design card writes it, goes to SLURM where sbatch is on PATH and the
+controller answers, and is refused with one line on a machine that cannot hold 9600 ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcdl.config import JobError, load_job
+from hpcdl.schedulers import choose_backend
+from hpcdl.schedulers.local import check_capacity
+from tests.conftest import HPCDL
+
+SCONTROL = """#!/bin/bash
+case "$1" in
+  ping) [ -e "$FAKE_SLURM/down" ] && { echo "Slurmctld(primary) at ctl is DOWN"; exit 1; }
+        echo "Slurmctld(primary) at ctl is UP" ;;
+  show) echo "MaxArraySize            = 1001"; echo "SLURM_VERSION           = 23.02.6" ;;
+esac
+"""
+
+
+def path_with(tmp_path: Path, sbatch: bool) -> dict[str, str]:
+    """PATH with stand-ins for sbatch and scontrol (real processes), or with neither."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    if sbatch:
+        (bin_dir / "sbatch").write_text("#!/bin/bash\necho \"$@\" >> \"$FAKE_SLURM/calls\"; echo '77;c'\n")
+        (bin_dir / "scontrol").write_text(SCONTROL)
+        for name in ("sbatch", "scontrol"):
+            (bin_dir / name).chmod(0o755)
+    # python, and nothing of a real SLURM installation
+    system = [d for d in ("/usr/local/bin", "/usr/bin", "/bin") if not (Path(d) / "sbatch").exists()]
+    return {**os.environ, "PATH": ":".join([str(bin_dir), str(Path(HPCDL).parent), *system]),
+            "FAKE_SLURM": str(bin_dir)}
+
+
+def submit(tmp_path, env, *args):
+    return subprocess.run([HPCDL, "submit", "hep", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_the_design_card_command_without_sbatch_is_refused_with_one_line(tmp_path):
+    proc = submit(tmp_path, path_with(tmp_path, sbatch=False), "--nodes", "9600")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "9600 ranks" in errors[0] and "--backend slurm" in errors[0], proc.stderr
+    assert "backend: local (run.backend = auto and there is no sbatch on PATH" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_design_card_command_with_sbatch_goes_to_slurm(tmp_path, hep_files):
+    env = path_with(tmp_path, sbatch=True)
+    proc = submit(tmp_path, env, "--nodes", "9600", "--group-size", "96", "--dry-run",
+                  "--set", f'data.train="{hep_files["train"]}"', "--set", f'data.val="{hep_files["test"]}"',
+                  "--set", f'data.test="{hep_files["test"]}"')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend: slurm (run.backend = auto: sbatch is on PATH and the SLURM controller answers" in proc.stderr
+    assert "--array=0-99" in proc.stdout and "#SBATCH --nodes=96" in proc.stdout
+    # and for real: the job file saved in the run names the backend that was chosen
+    proc = submit(tmp_path, env, "--nodes", "4", "--group-size", "2", "--json",
+                  "--set", f'data.train="{hep_files["train"]}"', "--set", f'data.val="{hep_files["test"]}"',
+                  "--set", f'data.test="{hep_files["test"]}"')
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (run,) = (tmp_path / "runs").iterdir()
+    assert 'backend = "slurm"' in (run / "job.toml").read_text()
+    assert (tmp_path / "bin" / "calls").read_text().count("--parsable") == 2
+
+
+def test_a_controller_that_does_not_answer_means_local(tmp_path):
+    env = path_with(tmp_path, sbatch=True)
+    (tmp_path / "bin" / "down").touch()
+    proc = submit(tmp_path, env, "--nodes", "9600")
+    assert proc.returncode == 2 and "the SLURM controller does not answer" in proc.stderr, proc.stderr
+    assert "DOWN" in proc.stderr
+
+
+def test_choose_backend_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", path_with(tmp_path, sbatch=False)["PATH"])
+    assert choose_backend()[0] == "local"
+    env = path_with(tmp_path, sbatch=True)
+    monkeypatch.setenv("PATH", env["PATH"])
+    monkeypatch.setenv("FAKE_SLURM", env["FAKE_SLURM"])
+    assert choose_backend()[0] == "slurm"
+
+
+@pytest.mark.parametrize("nodes, ranks_per_node, group_size, facts, refused", [
+    (2, 1, 0, {"cores": 2, "memory_available": 16 << 30}, False),      # make run
+    (4, 1, 2, {"cores": 2, "memory_available": 16 << 30}, False),      # 4 ranks + the applier
+    (8, 1, 0, {"cores": 2, "memory_available": 16 << 30}, False),
+    (8, 1, 4, {"cores": 2, "memory_available": 16 << 30}, True),       # 8 ranks + the applier
+    (4, 4, 0, {"cores": 2, "memory_available": 16 << 30}, True),
+    (4, 1, 0, {"cores": 64, "memory_available": 1 << 30}, True),       # memory, not cores
+    (9600, 1, 96, {"cores": 256, "memory_available": 1 << 40}, True),
+    (9600, 1, 96, {}, False),                                          # nothing known: no check
+])
+def test_check_capacity(nodes, ranks_per_node, group_size, facts, refused):
+    job = load_job("hep", [f"run.nodes={nodes}", f"run.ranks_per_node={ranks_per_node}",
+                           f"run.group_size={group_size}"])
+    if refused:
+        with pytest.raises(JobError, match="--backend slurm"):
+            check_capacity(job, facts)
+    else:
+        check_capacity(job, facts)
