@@ -91,9 +91,9 @@ def test_choose_backend_in_process(tmp_path, monkeypatch):
 @pytest.mark.parametrize("nodes, ranks_per_node, group_size, facts, refused", [
     (2, 1, 0, {"cores": 2, "memory_available": 16 << 30}, False),      # make run
     (4, 1, 2, {"cores": 2, "memory_available": 16 << 30}, False),      # 4 ranks + the applier
-    (8, 1, 0, {"cores": 2, "memory_available": 16 << 30}, False),
-    (8, 1, 4, {"cores": 2, "memory_available": 16 << 30}, True),       # 8 ranks + the applier
-    (4, 4, 0, {"cores": 2, "memory_available": 16 << 30}, True),
+    (8, 1, 4, {"cores": 2, "memory_available": 16 << 30}, False),      # 8 ranks + the applier
+    (10, 1, 5, {"cores": 2, "memory_available": 16 << 30}, True),      # 10 ranks + the applier
+    (3, 4, 0, {"cores": 2, "memory_available": 16 << 30}, True),
     (4, 1, 0, {"cores": 64, "memory_available": 1 << 30}, True),       # memory, not cores
     (9600, 1, 96, {"cores": 256, "memory_available": 1 << 40}, True),
     (9600, 1, 96, {}, False),                                          # nothing known: no check
