@@ -117,7 +117,7 @@ class ExchangeConfig:
     every: int = 1  # gradient: publish every N-th step's gradient; delta: H local steps per delta
     optimizer: str = "adam"  # the applier's update rule (hpcdl.applier.rules)
     learning_rate: float = 1e-3
-    momentum: float = 0.9  # momentum and nesterov
+    momentum: float = 0.9  # momentum's and nesterov's μ, adam's β1
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
     staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
     max_outstanding: int = 0  # 0: a root never waits; K: at most K unanswered updates a group

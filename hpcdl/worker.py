@@ -114,7 +114,8 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     try:
         applier = Applier(channel, x.optimizer, x.learning_rate, max_staleness=x.max_staleness,
                           stale_policy=x.stale_policy, keep_versions=x.keep_versions,
-                          momentum=x.momentum, momentum_delay=x.momentum_delay_for(job.run.groups),
+                          momentum=x.momentum, beta1=x.momentum,
+                          momentum_delay=x.momentum_delay_for(job.run.groups),
                           staleness_scaling=x.staleness_scaling)
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
