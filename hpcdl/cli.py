@@ -68,9 +68,10 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="Override any job field, e.g. --set train.steps=2000 (repeatable).")
 @click.option("--runs-dir", type=click.Path(file_okay=False), help="Where run directories go (run.runs_dir, default ./runs).")
 @click.option("--dry-run", is_flag=True, help="Print the exact scripts and commands; submit nothing, write nothing.")
+@click.option("--no-check-data", is_flag=True, help="Do not open the data files at submit (run.check_data = false): they exist only on the compute nodes.")
 @click.option("--detach", is_flag=True, help="Local backend: run in the background and return at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir, dry_run, detach, as_json):
+def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir, dry_run, no_check_data, detach, as_json):
     """Start a run of JOB (a name in jobs/, e.g. `hep`, or a path to a .toml job file).
 
     The local backend trains in the foreground with a progress bar (Ctrl-C cancels); the slurm
@@ -81,7 +82,8 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
     cli_overrides = list(overrides)
     for key, value in (("run.backend", backend and f'"{backend}"'), ("run.nodes", nodes),
                        ("run.group_size", group_size), ("run.ranks_per_node", ranks_per_node),
-                       ("run.runs_dir", runs_dir and json.dumps(str(runs_dir)))):
+                       ("run.runs_dir", runs_dir and json.dumps(str(runs_dir))),
+                       ("run.check_data", "false" if no_check_data else None)):
         if value is not None:
             cli_overrides.append(f"{key}={value}")
     prepared = prepare(job, cli_overrides, on_note=lambda note: err.print(note, soft_wrap=True, markup=False))

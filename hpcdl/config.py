@@ -45,7 +45,8 @@ class RunConfig:
     ranks_per_node: int = 1
     backend: str = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
     runs_dir: str = "runs"
-    max_restarts: int = 3  # per group, before the run gives that group up
+    max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
+    check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
 
     def validate(self) -> None:
@@ -56,6 +57,8 @@ class RunConfig:
         _positive("run.ranks_per_node", self.ranks_per_node)
         if self.group_size < 0:
             raise JobError(f"run.group_size must be >= 0, got {self.group_size}")
+        if self.max_restarts < 0:
+            raise JobError(f"run.max_restarts must be >= 0, got {self.max_restarts}")
         if self.nodes % self.nodes_per_group:
             raise JobError(
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"

@@ -18,7 +18,11 @@ from hpcdl.runs import RunDir, RunError
 
 TAIL_BYTES = 64 << 10  # how far back from the end the last error line is looked for
 # Python's last traceback line ("FileNotFoundError: ..."), TensorFlow/Horovod/SLURM errors.
-# Indented lines are a traceback's source lines and context, never the reason itself.
+# In order of preference: hpcdl's own words, a Python exception (a traceback's last line), then
+# anything else that reads like an error (srun, slurmstepd, TensorFlow). Indented lines are a
+# traceback's source lines and context, never the reason itself.
+_OURS = re.compile(r"^hpcdl[^:]*: error: ")
+_EXCEPTION = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b(: |$)")
 _ERROR = re.compile(r"(^[\w.]*(Error|Exception|Interrupt)\b|\berror\b|\bFATAL\b|\bKilled\b|"
                     r"DUE TO TIME LIMIT|CANCELLED AT|Out Of Memory|oom-kill)", re.IGNORECASE)
 _NOT_ERRORS = re.compile(r"^(\s|Traceback \(most recent call last\))")
@@ -60,7 +64,9 @@ def select(run: RunDir, group: int | None = None, rank: int | None = None,
 
 
 def last_error(paths: list[Path]) -> str | None:
-    """The last line that reads like an error in the ends of these files (newest file first)."""
+    """The most telling error line in the ends of these files (newest file first): the last of
+    hpcdl's own error lines, else the last Python exception line, else the last line that reads
+    like an error -- so a rank's `DataError: ... no such file` wins over srun's `task 0: Exited`."""
     for path in sorted(paths, key=_mtime, reverse=True):
         try:
             with open(path, "rb") as f:
@@ -68,10 +74,17 @@ def last_error(paths: list[Path]) -> str | None:
                 lines = f.read().decode("utf-8", "replace").splitlines()
         except OSError:
             continue
-        for line in reversed(lines):
+        found: dict[int, str] = {}
+        for line in lines:
             text = line.rstrip()
-            if text and not _NOT_ERRORS.match(text) and _ERROR.search(text):
-                return text[:300]
+            if not text or _NOT_ERRORS.match(text):
+                continue
+            for rank, pattern in enumerate((_OURS, _EXCEPTION, _ERROR)):
+                if pattern.search(text):
+                    found[rank] = text[:300]
+                    break
+        if found:
+            return found[min(found)]
     return None
 
 

@@ -49,7 +49,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
         cluster = scheduler.cluster_facts()
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
-    if job.run.backend == "local":
+    if job.run.check_data:  # on both backends: a missing file would fail every SLURM element
         get_workload(job.workload).check_data(job)
     return Prepared(job, scheduler, dryrun, note)
 

@@ -55,9 +55,7 @@ def test_the_design_card_command_without_sbatch_is_refused_with_one_line(tmp_pat
 
 def test_the_design_card_command_with_sbatch_goes_to_slurm(tmp_path, hep_files):
     env = path_with(tmp_path, sbatch=True)
-    proc = submit(tmp_path, env, "--nodes", "9600", "--group-size", "96", "--dry-run",
-                  "--set", f'data.train="{hep_files["train"]}"', "--set", f'data.val="{hep_files["test"]}"',
-                  "--set", f'data.test="{hep_files["test"]}"')
+    proc = submit(tmp_path, env, "--nodes", "9600", "--group-size", "96", "--dry-run", "--no-check-data")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "backend: slurm (run.backend = auto: sbatch is on PATH and the SLURM controller answers" in proc.stderr
     assert "--array=0-99" in proc.stdout and "#SBATCH --nodes=96" in proc.stdout
@@ -106,3 +104,21 @@ def test_check_capacity(nodes, ranks_per_node, group_size, facts, refused):
             check_capacity(job, facts)
     else:
         check_capacity(job, facts)
+
+
+def test_missing_data_is_refused_on_slurm_too_unless_told_not_to_check(tmp_path, hep_files):
+    env = path_with(tmp_path, sbatch=True)
+    missing = tmp_path / "elsewhere" / "train.h5"
+    args = ["--backend", "slurm", "--nodes", "4", "--group-size", "2", "--set", f'data.train="{missing}"',
+            "--set", f'run.runs_dir="{tmp_path / "runs"}"']
+    proc = submit(tmp_path, env, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and str(missing) in errors[0], proc.stderr
+    assert not (tmp_path / "bin" / "calls").exists() and not (tmp_path / "runs").exists()
+    # The files exist only on the compute nodes: --no-check-data (run.check_data = false).
+    proc = submit(tmp_path, env, *args, "--no-check-data", "--json")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "bin" / "calls").read_text().count("--parsable") == 2
+    proc = submit(tmp_path, env, *args, "--set", "run.check_data=false", "--dry-run")
+    assert proc.returncode == 0, proc.stderr

@@ -77,6 +77,13 @@ def test_last_error_is_the_traceback_s_last_line(tmp_path):
     slurm = tmp_path / "slurm-41_0.out"
     slurm.write_text("srun: error: n1: task 0: Exited with exit code 1\n")
     assert last_error([slurm]) == "srun: error: n1: task 0: Exited with exit code 1"
+    # a rank's exception in SLURM's output says more than srun's summary after it
+    slurm.write_text(TRACEBACK + "srun: error: n1: task 0: Exited with exit code 1\n")
+    assert last_error([slurm]).startswith("FileNotFoundError: [Errno 2]")
+    # and hpcdl's own words say most
+    slurm.write_text(TRACEBACK + "hpcdl: error: group 0 checkpointed, not requeueing: run.max_restarts = 1\n"
+                     "srun: error: n1: task 0: Exited with exit code 1\n")
+    assert last_error([slurm]).startswith("hpcdl: error: group 0 checkpointed, not requeueing")
 
 
 def hpcdl(*args, cwd, check=True):

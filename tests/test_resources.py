@@ -40,7 +40,8 @@ def test_an_installed_wheel_finds_jobs_and_templates(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site)}
     out = subprocess.run(
         [sys.executable, "-c", "import hpcdl, sys; from hpcdl.cli import main; print(hpcdl.__file__); main()",
-         "submit", "hep", "--backend", "slurm", "--nodes", "4", "--group-size", "2", "--dry-run"],
+         "submit", "hep", "--backend", "slurm", "--nodes", "4", "--group-size", "2", "--dry-run",
+         "--no-check-data"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     module_file, _, script = out.stdout.partition("\n")

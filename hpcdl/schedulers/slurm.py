@@ -44,6 +44,32 @@ _EXTRA = re.compile(r"^--[A-Za-z][A-Za-z0-9-]*(=[^\n'\"`$\\;]*)?$")
 _PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
 
 
+def time_limit_seconds(text: str) -> int:
+    """SLURM's --time as seconds: M, M:S, H:M:S, D-H, D-H:M or D-H:M:S (`_TIME` has checked it)."""
+    days, _, rest = text.rpartition("-") if "-" in text else ("", "", text)
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    else:
+        hours, (minutes, seconds) = 0, (parts + [0])[:2]
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def check_signal_time(job: Job) -> None:
+    """The warning signal must come after the start: a signal_seconds at or beyond the time limit
+    would have each element checkpoint and requeue at once, in a loop."""
+    s = job.slurm
+    limit = time_limit_seconds(_checked("time", s.time, _TIME))
+    if s.signal_seconds and s.signal_seconds >= limit:
+        raise JobError(
+            f"slurm.signal_seconds = {s.signal_seconds} is not less than slurm.time = {s.time!r} ({limit} s): "
+            "every element would be signalled as it starts and requeue in a loop; use a smaller "
+            "slurm.signal_seconds or a longer slurm.time"
+        )
+
+
 def map_state(raw: str) -> str:
     """`CANCELLED by 0` -> cancelled; unknown words -> unknown."""
     word = raw.split()[0].rstrip("+") if raw.strip() else ""
@@ -135,6 +161,7 @@ def render_group_script(request: SubmitRequest) -> str:
         "gloo_iface": shlex.quote(s.gloo_iface),
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
+        "max_restarts": str(job.run.max_restarts),
     }, "group.sbatch")
 
 
@@ -240,6 +267,7 @@ class SlurmScheduler(Scheduler):
 
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         job = request.job
+        check_signal_time(job)
         limit = request.cluster.get("max_array_size")
         if limit is not None and job.run.groups > limit:
             raise JobError(

@@ -206,3 +206,21 @@ def test_corrupt_job_ids_are_one_error_naming_the_file(tmp_path, content):
     (tmp_path / "scheduler/slurm.json").write_text(content)
     with pytest.raises(RunError, match="slurm.json is corrupt"):
         SlurmScheduler().is_active(run)
+
+
+@pytest.mark.parametrize("time_limit, signal_seconds, refused", [
+    ("1", 60, True), ("1", 58, False), ("2:00", 120, True), ("00:10:00", 120, False),
+    ("00:01:00", 120, True), ("1-0", 86399, False), ("1-0", 86400, True), ("1", 0, False),
+])
+def test_signal_seconds_must_be_less_than_the_time_limit(time_limit, signal_seconds, refused):
+    req = request([f"slurm.time={time_limit}", f"slurm.signal_seconds={signal_seconds}"])
+    if refused:
+        with pytest.raises(JobError, match="slurm.signal_seconds .* is not less than slurm.time"):
+            SlurmScheduler().submit_dryrun(req)
+    else:
+        SlurmScheduler().submit_dryrun(req)
+
+
+def test_max_restarts_reaches_the_group_script():
+    script = SlurmScheduler().submit_dryrun(request(["run.max_restarts=5"])).files["scheduler/group.sbatch"]
+    assert 'if [ "$restarts" -gt 5 ]; then' in script and 'if [ "$restarts" -ge 5 ]; then' in script

@@ -152,3 +152,31 @@ def test_cancel_leaves_the_mark_before_scancel(monkeypatch, tmp_path):
     monkeypatch.setattr(slurm, "_run", fake)
     assert SlurmScheduler().cancel(run) == "cancelled SLURM jobs 41"
     assert seen == [("squeue", False), ("scancel", True)]
+
+
+def test_no_requeue_once_run_max_restarts_is_reached(tmp_path):
+    run, scripts, env = render(tmp_path, "run.max_restarts=2")
+    proc = start(scripts["group"], env, SLURM_RESTART_COUNT="2")
+    wait_for(run.group_dir(0) / "ranks-started")
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "run.max_restarts = 2" in out, out
+    assert scontrol_calls(run) == []
+
+
+def test_below_run_max_restarts_the_group_requeues(tmp_path):
+    run, scripts, env = render(tmp_path, "run.max_restarts=2")
+    proc = start(scripts["group"], env, SLURM_RESTART_COUNT="1")
+    wait_for(run.group_dir(0) / "ranks-started")
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41"], out
+
+
+def test_an_element_requeued_beyond_run_max_restarts_does_not_run(tmp_path):
+    """SLURM itself requeues after a node failure or preemption (--requeue): bounded too."""
+    run, scripts, env = render(tmp_path, "run.max_restarts=2")
+    proc = start(scripts["group"], env, SLURM_RESTART_COUNT="3")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "more than run.max_restarts = 2" in out, out
+    assert not (run.group_dir(0) / "ranks-started").exists()

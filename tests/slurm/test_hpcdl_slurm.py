@@ -153,10 +153,78 @@ def test_failed_sbatch_leaves_nothing_submitted(slurm_cluster, hep_files, tmp_pa
 def test_dry_run_for_9600_nodes(slurm_cluster, hep_files, tmp_path):
     start = time.monotonic()
     out = hpcdl("submit", "hep", "--backend", "slurm", "--nodes", "9600", "--group-size", "96", "--dry-run",
-                "--set", f'data.train="{hep_files["train"]}"', cwd=tmp_path).stdout
+                "--no-check-data", cwd=tmp_path).stdout
     assert time.monotonic() - start < 5  # well under a second of work; the rest is Python start-up
     assert "--array=0-99" in out and "#SBATCH --nodes=96" in out
     assert not (tmp_path / "runs").exists()
     proc = hpcdl("submit", "hep", "--backend", "slurm", "--nodes", "9600", "--group-size", "4", "--dry-run",
-                 cwd=tmp_path, check=False)
+                 "--no-check-data", cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "MaxArraySize is 1001" in proc.stderr
+
+
+def test_missing_data_is_refused_at_submit(slurm_cluster, hep_files, tmp_path):
+    before = set(slurm("squeue", "-h", "-o", "%i").stdout.split())
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=5) + LOCAL_CLUSTER + [
+        f'data.train="{tmp_path}/none.h5"']
+    proc = hpcdl("submit", "hep", "--nodes", "4", "--group-size", "2", *set_args(overrides), cwd=tmp_path,
+                 check=False)
+    assert proc.returncode == 2 and "none.h5" in proc.stderr, proc.stderr
+    assert set(slurm("squeue", "-h", "-o", "%i").stdout.split()) <= before
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_group_shows_its_log_and_the_reason(slurm_cluster, hep_files, tmp_path):
+    """The data were said to exist only on the compute nodes (--no-check-data) and do not: the
+    element fails; status names SLURM's output file and the rank's error line."""
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=5) + LOCAL_CLUSTER + [
+        f'data.train="{tmp_path}/none.h5"', "exchange.enabled=off"]
+    out = hpcdl("submit", "hep", "--nodes", "2", "--group-size", "2", "--no-check-data", "--json",
+                *set_args(overrides), cwd=tmp_path)
+    run_dir = Path(json.loads(out.stdout)["run_dir"])
+    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["state"] == "failed", what="the failure")
+    (group,) = done["groups"]
+    assert any(Path(p).name.startswith("slurm-") for p in group["logs"]), group
+    assert "none.h5" in group["last_error"], group["last_error"]
+    assert "none.h5" in hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+    assert "none.h5" in hpcdl("logs", str(run_dir), "--group", "0", cwd=tmp_path).stdout
+
+
+def test_run_max_restarts_bounds_the_requeues(slurm_cluster, hep_files, tmp_path):
+    """A 1-minute limit, the signal 58 s before it: each element checkpoints and requeues; with
+    run.max_restarts = 1 the second signal ends the group instead of requeueing it forever."""
+    sub = submit(hep_files, tmp_path, 1_000_000, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
+                 "run.max_restarts=1", nodes=2, group_size=2)
+    run_dir = Path(sub["run_dir"])
+    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["state"] == "failed", timeout=480,
+                       what="the group to stop at run.max_restarts")
+    (group,) = done["groups"]
+    assert group["restarts"] == 1 and group["step"] > 0
+    assert "run.max_restarts = 1" in group["last_error"], group["last_error"]
+    assert queue_empty([sub["slurm_array_job_id"]])
+
+
+def test_signal_seconds_beyond_the_time_limit_is_refused(slurm_cluster, hep_files, tmp_path):
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=5) + LOCAL_CLUSTER + [
+        "slurm.time=1", "slurm.signal_seconds=120"]
+    proc = hpcdl("submit", "hep", "--nodes", "2", "--group-size", "2", *set_args(overrides), cwd=tmp_path,
+                 check=False)
+    assert proc.returncode == 2 and "slurm.signal_seconds = 120 is not less than slurm.time" in proc.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_slurm_signal_term_checkpoints_and_requeues(slurm_cluster, hep_files, tmp_path):
+    """slurm.signal = "TERM": the site's warning is a SIGTERM; the group checkpoints and requeues
+    as with USR1, and hpcdl cancel then stops it without a requeue."""
+    sub = submit(hep_files, tmp_path, 1_000_000, "slurm.time=1", "slurm.signal_seconds=58", "slurm.signal=TERM",
+                 "exchange.enabled=off", nodes=2, group_size=2)
+    run_dir = Path(sub["run_dir"])
+    assert "#SBATCH --signal=B:TERM@58" in (run_dir / "scheduler/group.sbatch").read_text()
+    wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["restarts"] >= 1 and s["groups"][0]["step"] > 0,
+                timeout=300, what="a requeue after the TERM signal")
+    assert "checkpointed; requeueing" in "\n".join(p.read_text() for p in (run_dir / "groups/0").glob("slurm-*.out"))
+    said = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    assert "cancelled SLURM jobs" in said and (run_dir / "scheduler/cancelled").exists()
+    deadline = time.monotonic() + 120
+    while not queue_empty([sub["slurm_array_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([sub["slurm_array_job_id"]])  # not requeued by the cancel's SIGTERM
