@@ -52,7 +52,7 @@ def status_view(status: Mapping[str, Any]):
         stale = "-"
         if g.get("staleness_mean") is not None:
             stale = f"{g['staleness_mean']:.1f}/{g.get('staleness_max', 0)}"
-        slurm = g["backend"].get("nodes")
+        slurm = g["backend"].get("nodes") or g["backend"].get("reason")  # where, or why not yet
         state = g["state"] + (f" ({slurm})" if slurm else "")
         groups.add_row(str(g["group"]), state, f"{g['step']}/{g['steps']}", _num(g["loss"]),
                        _num(g["images_per_s"], "{:.1f}"), si(g["flops_per_s"]),
@@ -75,6 +75,8 @@ def status_view(status: Mapping[str, Any]):
             table.add_column(column, justify="right", no_wrap=True)
         backend = applier.get("backend") or {}
         running = backend.get("state") or ("running" if backend.get("running") else "stopped")
+        where = backend.get("nodes") or backend.get("reason")  # SLURM: its node, or why it waits
+        running += f" ({where})" if where else ""
         table.add_row(running, _num(applier.get("version"), "{}"), _num(applier.get("applied"), "{}"),
                       _num(applier.get("dropped"), "{}"), _num(applier.get("rejected"), "{}"),
                       _num(applier.get("backlog"), "{}"),

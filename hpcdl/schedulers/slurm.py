@@ -210,15 +210,22 @@ def parse_scontrol_config(text: str) -> dict[str, Any]:
     return facts
 
 
+SQUEUE_FORMAT = "%i|%T|%N|%M|%r"
+
+
 def parse_squeue(text: str) -> dict[str, dict[str, str]]:
-    """`squeue -h -r -o %i|%T|%N|%M` -> {"123_0": {"state", "nodes", "elapsed"}}."""
+    """`squeue -h -r -o %i|%T|%N|%M|%r` -> {"123_0": {"state", "nodes", "elapsed", "reason"}};
+    the reason (SLURM's pending reason, e.g. Resources, Priority) only for a pending job."""
     jobs = {}
     for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) != 4:
+        parts = line.strip().split("|", 4)
+        if len(parts) not in (4, 5):
             continue
-        job_id, state, nodes, elapsed = parts
+        job_id, state, nodes, elapsed = parts[:4]
         jobs[job_id] = {"state": map_state(state), "slurm_state": state, "nodes": nodes, "elapsed": elapsed}
+        reason = parts[4].strip() if len(parts) == 5 else ""
+        if reason and reason != "None" and map_state(state) == "pending":
+            jobs[job_id]["reason"] = reason
     return jobs
 
 
@@ -335,7 +342,7 @@ class SlurmScheduler(Scheduler):
     def describe(self, run: RunDir) -> dict[str, Any]:
         ids = self._ids(run)
         job_ids = [i for i in (ids["slurm_array_job_id"], ids.get("slurm_applier_job_id")) if i]
-        queue = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%i|%T|%N|%M"])
+        queue = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", SQUEUE_FORMAT])
         jobs = parse_squeue(queue.stdout) if queue.returncode == 0 else {}
         note = ""
         acct = _run(["sacct", "-X", "-P", "-j", ",".join(job_ids), "-o", "JobID,State,NodeList,Elapsed"])

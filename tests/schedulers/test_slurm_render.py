@@ -110,6 +110,33 @@ def test_parse_squeue():
     assert jobs["41_1"]["state"] == "pending" and jobs["40"]["nodes"] == "n1"
 
 
+def test_parse_squeue_with_the_pending_reason():
+    jobs = parse_squeue("41_0|RUNNING|n[1-2]|0:17|None\n41_1|PENDING||0:00|Resources\n40|PENDING||0:00|None\n")
+    assert "reason" not in jobs["41_0"] and jobs["41_1"]["reason"] == "Resources"
+    assert "reason" not in jobs["40"] and jobs["41_0"]["nodes"] == "n[1-2]"
+
+
+def test_status_shows_the_pending_reason_and_the_applier_s_node(tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from hpcdl.config import load_job
+    from hpcdl.display import status_view
+    from hpcdl.runs import create_run
+    from hpcdl.status import collect
+
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"', "run.nodes=4", "run.group_size=2"])
+    with create_run(job, "slurm") as (_, run):
+        pass
+    view = parse_squeue("41_0|RUNNING|n[1-2]|0:17|None\n41_1|PENDING||0:00|Priority\n40|RUNNING|n4|0:18|None\n")
+    status = collect(run, backend_view={"groups": {"0": view["41_0"], "1": view["41_1"]}, "applier": view["40"]})
+    console = Console(record=True, width=160, file=io.StringIO())
+    console.print(status_view(status))
+    text = console.export_text()
+    assert "running (n[1-2])" in text and "pending (Priority)" in text and "running (n4)" in text
+
+
 def test_parse_sacct_with_array_ranges():
     jobs = parse_sacct(SACCT)
     assert jobs["41_0"]["state"] == "completed" and jobs["41_0"]["elapsed"] == "00:00:35"
