@@ -274,7 +274,7 @@ def test_update_larger_than_the_master_can_need_is_refused_before_reading(tmp_pa
             opened.append(kw.get("max_bytes"))
             return real(path, **kw)
 
-        monkeypatch.setattr(ex, "read_file", spy)
+        monkeypatch.setattr(ex.channel, "read_file", spy)  # where the Channel looks it up
         tracemalloc.start()
         app.step()
         _, peak = tracemalloc.get_traced_memory()

@@ -251,8 +251,8 @@ def test_publish_with_an_injected_enospc_at_fsync(tmp_path, monkeypatch):
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
     check_publish_failure_keeps_everything(
-        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(ex.os, "fsync", real_fsync),
-        break_disk=lambda: monkeypatch.setattr(ex.os, "fsync", broken))
+        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(os, "fsync", real_fsync),
+        break_disk=lambda: monkeypatch.setattr(os, "fsync", broken))
 
 
 def test_held_updates_are_bounded(tmp_path, monkeypatch):
@@ -328,7 +328,7 @@ def test_applier_on_a_full_tmpfs(tiny_fs):
 
 def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", fsync=False)
-    import hpcdl.applier as ap
+    import hpcdl.applier.server as ap  # the module that writes
 
     real_write = ap.os.write
     real_write_file = ap.write_file

@@ -1,0 +1,357 @@
+"""The exchange file format: encoding, validation and atomic publishing of one file.
+
+The format and the reader's checks are specified in :mod:`hpcdl.exchange`'s docstring (the
+protocol); this module is their one implementation. Pure numpy + stdlib.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import math
+import os
+import struct
+import time
+import uuid
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Mapping
+
+import numpy as np
+
+from hpcdl.runkey import Access
+
+MAGIC = b"HPCDLX\r\n"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<8sIIQ32s")  # magic, format version, header length, payload length, tag
+PREFIX_SIZE = _PREFIX.size  # 56
+_SIGNED_PREFIX = 24  # bytes of the prefix covered by the tag (everything but the tag)
+MAX_HEADER_BYTES = 1 << 20
+ALIGN = 64
+MAX_NAME_CHARS = 1024
+MAX_NDIM = 32
+MAX_ELEMENTS = 1 << 48  # bound on prod(max(d, 1)) of a shape: numpy can hold any such array
+TMP_PREFIX = ".tmp-"
+KINDS = ("update", "weights", "init", "state")
+ALLOWED_DTYPES = frozenset(
+    ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
+     "<f2", "<f4", "<f8", "<c8", "<c16"]
+)
+_HEADER_KEYS = frozenset(
+    ["run_id", "kind", "tag_alg", "created", "group", "seq", "base_version", "version", "meta",
+     "tensors"]
+)
+_TENSOR_KEYS = frozenset(["name", "dtype", "shape", "offset", "nbytes"])
+_REQUIRED = {
+    "update": ("group", "seq", "base_version"),
+    "weights": ("version",),
+    "init": ("group",),
+    "state": ("version",),
+}
+_CHUNK = 16 << 20
+
+Tensors = Mapping[str, np.ndarray]
+
+
+class CorruptFile(ValueError):
+    """A file that failed validation; the message is a one-line reason."""
+
+
+# --------------------------------------------------------------------------------------------
+# tag
+# --------------------------------------------------------------------------------------------
+
+
+class Signer:
+    """Computes the 32-byte tag of a file: SHA-256 when ``key`` is None, else HMAC-SHA256(key)."""
+
+    def __init__(self, key: bytes | None = None):
+        if key is not None and (not isinstance(key, bytes) or len(key) < 16):
+            raise ValueError("an HMAC key must be at least 16 bytes")
+        self._key = key
+
+    @property
+    def alg(self) -> str:
+        return "sha256" if self._key is None else "hmac-sha256"
+
+    def new(self) -> Any:
+        """A fresh hashing object with ``update(bytes)`` and ``digest()``."""
+        if self._key is None:
+            return hashlib.sha256()
+        return hmac.new(self._key, digestmod=hashlib.sha256)
+
+
+# --------------------------------------------------------------------------------------------
+# atomic publishing
+# --------------------------------------------------------------------------------------------
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename in it is durable (ignored where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True,
+                 access: Access | None = None) -> Path:
+    """Publish ``path`` atomically: temporary in the same directory, fsync, rename, fsync dir.
+
+    The file gets ``access``'s mode (owner-only 0600 by default) whatever the umask. On any error
+    (ENOSPC, EDQUOT, ...) the temporary is removed and the error raised: ``path`` keeps its
+    previous content, if any.
+    """
+    path = Path(path)
+    access = access or Access()
+    tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+    try:
+        with os.fdopen(access.open_new(tmp), "wb") as f:
+            write(f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
+                       access: Access | None = None) -> Path:
+    return atomic_write(path, lambda f: f.write(data), fsync=fsync, access=access)
+
+
+# --------------------------------------------------------------------------------------------
+# encoding / decoding
+# --------------------------------------------------------------------------------------------
+
+
+def _le_array(name: str, value: Any) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "biufc":
+        raise TypeError(f"tensor {name!r}: dtype {arr.dtype} is not numeric")
+    dt = arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype
+    if dt.str not in ALLOWED_DTYPES:
+        raise TypeError(f"tensor {name!r}: dtype {arr.dtype} is not in the allow-list")
+    return np.require(arr, dtype=dt, requirements="C")
+
+
+def write_file(
+    path: Path,
+    *,
+    run_id: str,
+    kind: str,
+    tensors: Tensors,
+    signer: Signer | None = None,
+    group: int | None = None,
+    seq: int | None = None,
+    base_version: int | None = None,
+    version: int | None = None,
+    meta: Mapping[str, Any] | None = None,
+    fsync: bool = True,
+    access: Access | None = None,
+) -> Path:
+    """Encode ``tensors`` in the exchange format and publish them atomically at ``path``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}")
+    signer = signer or Signer()
+    arrays: list[np.ndarray] = []
+    entries: list[dict[str, Any]] = []
+    offset = 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"bad tensor name {name!r}")
+        arr = _le_array(name, value)
+        offset = -(-offset // ALIGN) * ALIGN
+        entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape),
+                        "offset": offset, "nbytes": arr.nbytes})
+        arrays.append(arr)
+        offset += arr.nbytes
+    payload_len = offset
+    header = {
+        "run_id": run_id, "kind": kind, "tag_alg": signer.alg, "created": time.time(),
+        "group": group, "seq": seq, "base_version": base_version, "version": version,
+        "meta": dict(meta or {}), "tensors": entries,
+    }
+    hbytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    if len(hbytes) > MAX_HEADER_BYTES:
+        raise ValueError(f"header of {len(hbytes)} bytes exceeds {MAX_HEADER_BYTES}")
+    signed = _PREFIX.pack(MAGIC, FORMAT_VERSION, len(hbytes), payload_len, b"\0" * 32)
+    signed = signed[:_SIGNED_PREFIX]
+
+    def write(f: BinaryIO) -> None:
+        h = signer.new()
+        f.write(signed)
+        f.write(b"\0" * 32)  # tag placeholder
+        h.update(signed)
+        f.write(hbytes)
+        h.update(hbytes)
+        pos = 0
+        for entry, arr in zip(entries, arrays):
+            pad = entry["offset"] - pos
+            if pad:
+                f.write(b"\0" * pad)
+                h.update(b"\0" * pad)
+            data = memoryview(arr.reshape(-1).view(np.uint8))
+            f.write(data)
+            h.update(data)
+            pos = entry["offset"] + entry["nbytes"]
+        f.seek(_SIGNED_PREFIX)
+        f.write(h.digest())
+
+    return atomic_write(path, write, fsync=fsync, access=access)
+
+
+def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise CorruptFile(f"truncated while reading the {what}: got {len(data)} of {n} bytes")
+    return data
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int
+
+
+def _parse_header(hbytes: bytes, payload_len: int) -> dict[str, Any]:
+    try:
+        header = json.loads(hbytes.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CorruptFile(f"header is not UTF-8 JSON: {type(e).__name__}") from None
+    if not isinstance(header, dict) or set(header) != _HEADER_KEYS:
+        raise CorruptFile("header does not have exactly the expected fields")
+    kind = header["kind"]
+    if kind not in KINDS:
+        raise CorruptFile(f"unknown kind {kind!r:.40}")
+    if not isinstance(header["run_id"], str) or not isinstance(header["tag_alg"], str):
+        raise CorruptFile("run_id / tag_alg must be strings")
+    if not isinstance(header["created"], (int, float)) or not isinstance(header["meta"], dict):
+        raise CorruptFile("created must be a number and meta an object")
+    for key in ("group", "seq", "base_version", "version"):
+        value = header[key]
+        low = -1 if key == "base_version" else 0
+        if value is not None and (not _is_int(value) or value < low):
+            raise CorruptFile(f"{key} must be null or an int >= {low}")
+    for key in _REQUIRED[kind]:
+        if header[key] is None:
+            raise CorruptFile(f"{kind} file without {key}")
+    tensors = header["tensors"]
+    if not isinstance(tensors, list):
+        raise CorruptFile("tensors must be a list")
+    names: set[str] = set()
+    spans: list[tuple[int, int]] = []
+    for t in tensors:
+        if not isinstance(t, dict) or set(t) != _TENSOR_KEYS:
+            raise CorruptFile("a tensor entry does not have exactly the expected fields")
+        name, dtype, shape = t["name"], t["dtype"], t["shape"]
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise CorruptFile("bad tensor name")
+        if name in names:
+            raise CorruptFile(f"duplicate tensor name {name!r:.80}")
+        names.add(name)
+        if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+            raise CorruptFile(f"tensor {name!r:.80}: dtype {dtype!r:.20} not allowed")
+        if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+                or not all(_is_int(d) and d >= 0 for d in shape)
+                or math.prod(max(d, 1) for d in shape) > MAX_ELEMENTS):
+            raise CorruptFile(f"tensor {name!r:.80}: bad shape")
+        offset, nbytes = t["offset"], t["nbytes"]
+        if not (_is_int(offset) and _is_int(nbytes) and offset >= 0 and nbytes >= 0):
+            raise CorruptFile(f"tensor {name!r:.80}: bad offset/nbytes")
+        if math.prod(shape) * np.dtype(dtype).itemsize != nbytes:  # python ints: no overflow
+            raise CorruptFile(f"tensor {name!r:.80}: nbytes does not match shape and dtype")
+        if offset + nbytes > payload_len:
+            raise CorruptFile(f"tensor {name!r:.80}: bytes [{offset}, {offset + nbytes}) "
+                              f"outside the {payload_len}-byte payload")
+        if nbytes:
+            spans.append((offset, offset + nbytes))
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise CorruptFile("tensor byte ranges overlap")
+    return header
+
+
+def read_file(
+    path: Path,
+    *,
+    run_id: str | None,
+    signer: Signer | None = None,
+    kinds: tuple[str, ...] = KINDS,
+    max_bytes: int | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read and fully validate one exchange file: returns (header, tensors).
+
+    Raises CorruptFile on any validation failure and FileNotFoundError if the file is gone.
+    Memory use is bounded by the actual file size (and MAX_HEADER_BYTES for the header).
+    """
+    signer = signer or Signer()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < PREFIX_SIZE:
+            raise CorruptFile(f"truncated: {size} bytes, shorter than the {PREFIX_SIZE}-byte prefix")
+        prefix = _read_exact(f, PREFIX_SIZE, "prefix")
+        magic, fmt, hlen, plen, tag = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise CorruptFile("bad magic: not an hpcdl exchange file")
+        if fmt != FORMAT_VERSION:
+            raise CorruptFile(f"unsupported format version {fmt}")
+        if hlen > MAX_HEADER_BYTES:
+            raise CorruptFile(f"header length {hlen} exceeds {MAX_HEADER_BYTES}")
+        if PREFIX_SIZE + hlen + plen != size:
+            raise CorruptFile(f"size mismatch: prefix declares {PREFIX_SIZE + hlen + plen} bytes, "
+                              f"file has {size}")
+        if max_bytes is not None and size > max_bytes:
+            raise CorruptFile(f"file of {size} bytes exceeds the {max_bytes}-byte limit")
+        hbytes = _read_exact(f, hlen, "header")
+        header = _parse_header(hbytes, plen)
+        if header["kind"] not in kinds:
+            raise CorruptFile(f"kind {header['kind']!r}, expected one of {kinds}")
+        if run_id is not None and header["run_id"] != run_id:
+            raise CorruptFile(f"run id {header['run_id']!r:.80} does not match {run_id!r}")
+        if header["tag_alg"] != signer.alg:
+            raise CorruptFile(f"tag algorithm {header['tag_alg']!r:.20}, expected {signer.alg!r}")
+        payload = bytearray(plen)  # plen is checked against the real file size above
+        view = memoryview(payload)
+        pos = 0
+        while pos < plen:
+            n = f.readinto(view[pos:pos + _CHUNK])
+            if not n:
+                raise CorruptFile(f"truncated while reading the payload: got {pos} of {plen} bytes")
+            pos += n
+    h = signer.new()
+    h.update(prefix[:_SIGNED_PREFIX])
+    h.update(hbytes)
+    h.update(payload)
+    if not hmac.compare_digest(h.digest(), tag):
+        raise CorruptFile("checksum mismatch: tag does not match the content"
+                          + (" (corrupt, or not written with this run's key)"
+                             if signer.alg != "sha256" else ""))
+    tensors: dict[str, np.ndarray] = {}
+    for t in header["tensors"]:
+        dt = np.dtype(t["dtype"])
+        count = t["nbytes"] // dt.itemsize
+        try:
+            arr = np.frombuffer(payload, dtype=dt, count=count, offset=t["offset"]) if count else (
+                np.empty(0, dtype=dt))
+            arr = arr.reshape(t["shape"])
+        except (ValueError, OverflowError) as e:  # a backstop: validation should prevent it
+            raise CorruptFile(f"tensor {t['name']!r:.80}: {type(e).__name__}: {e}") from None
+        native = dt.newbyteorder("=")
+        if not dt.isnative or t["offset"] % dt.alignment:
+            arr = arr.astype(native)  # copies: native order, aligned
+        tensors[t["name"]] = arr
+    return header, tensors
