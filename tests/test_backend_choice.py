@@ -122,3 +122,27 @@ def test_missing_data_is_refused_on_slurm_too_unless_told_not_to_check(tmp_path,
     assert (tmp_path / "bin" / "calls").read_text().count("--parsable") == 2
     proc = submit(tmp_path, env, *args, "--set", "run.check_data=false", "--dry-run")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
+    """Old SLURM runs under runs/ and a controller that does not answer: one squeue, not one per run."""
+    import subprocess as sp
+
+    import hpcdl.schedulers.slurm as slurm
+    from hpcdl.runs import create_run, write_json_atomic
+    from hpcdl.schedulers import cancel_run
+
+    job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.backend=slurm"])
+    for n in range(3):
+        with create_run(job, "slurm", run_id=f"hep-2026010{n + 1}-000000-abcd") as (staged, _):
+            write_json_atomic(staged.root / "scheduler/slurm.json", {"slurm_array_job_id": str(40 + n)})
+    calls = []
+
+    def unreachable(cmd, timeout=30.0):
+        calls.append(cmd[0])
+        return sp.CompletedProcess(cmd, 1, "", "slurm_load_jobs error: Unable to contact slurm controller")
+
+    monkeypatch.setattr(slurm, "_run", unreachable)
+    said = cancel_run(None, tmp_path / "runs")
+    assert said.startswith("nothing to cancel") and "could not tell" in said and "hep-20260103" in said
+    assert calls == ["squeue"]

@@ -4,7 +4,6 @@ line naming the problem and exit 2, with nothing written."""
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil

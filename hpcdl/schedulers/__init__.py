@@ -46,9 +46,13 @@ def newest_active_run(runs_dir: str | Path = "runs") -> tuple[RunDir | None, lis
     if not runs:
         raise RunError(f"no runs under {Path(runs_dir)}/ (start one with `hpcdl submit`)")
     unknown = []
+    unreachable: set[str] = set()  # a backend that could not tell once is not asked again
     for run in runs:
         try:
-            active = scheduler_of(run).is_active(run)
+            scheduler = scheduler_of(run)
+            active = None if scheduler.name in unreachable else scheduler.is_active(run)
+            if active is None and scheduler.name == "slurm":
+                unreachable.add(scheduler.name)
         except (RunError, SchedulerError):
             active = None
         if active:

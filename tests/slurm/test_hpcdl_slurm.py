@@ -228,3 +228,24 @@ def test_slurm_signal_term_checkpoints_and_requeues(slurm_cluster, hep_files, tm
     while not queue_empty([sub["slurm_array_job_id"]]) and time.monotonic() < deadline:
         time.sleep(1)
     assert queue_empty([sub["slurm_array_job_id"]])  # not requeued by the cancel's SIGTERM
+
+
+def test_bare_cancel_after_evaluating_an_older_run_stops_the_live_run(slurm_cluster, hep_files, tmp_path):
+    """Evaluating the old run writes eval/ into it; a bare cancel must still pick the live run."""
+    old = submit(hep_files, tmp_path, 5, "exchange.enabled=off", nodes=2, group_size=2)
+    old_dir = Path(old["run_dir"])
+    wait_status(old_dir, tmp_path, lambda s: s["state"] == "finished", what="the old run to finish")
+    live = submit(hep_files, tmp_path, 1_000_000, "exchange.enabled=off", nodes=2, group_size=2)
+    live_dir = Path(live["run_dir"])
+    wait_status(live_dir, tmp_path, lambda s: s["groups"][0]["step"] > 0, what="the live run to train")
+    hpcdl("evaluate", old_dir.name, "--runs-dir", str(tmp_path / "runs"), "--json", cwd=tmp_path)
+    assert (old_dir / "eval" / "roc.png").is_file()
+    said = hpcdl("cancel", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout
+    assert live_dir.name in said and "cancelled SLURM jobs" in said and old_dir.name not in said
+    deadline = time.monotonic() + 120
+    while not queue_empty([live["slurm_array_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([live["slurm_array_job_id"]])
+    assert status(old_dir, tmp_path)["state"] == "finished"
+    said = hpcdl("cancel", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout
+    assert "nothing to cancel" in said
