@@ -179,6 +179,7 @@ def render_applier_script(request: SubmitRequest) -> str:
         "python": shlex.quote(request.python),
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
+        "max_restarts": str(job.run.max_restarts),
     }, "applier.sbatch")
 
 
