@@ -67,9 +67,10 @@ def serve_rendezvous(run: RunDir, job, port_file: Path) -> int:
 def groups_finished(run: RunDir, groups: int) -> bool:
     for g in range(groups):
         try:
-            if json.loads(run.group_state_file(g).read_text()).get("state") != "finished":
-                return False
-        except (FileNotFoundError, json.JSONDecodeError):
+            state = json.loads(run.group_state_file(g).read_bytes())
+        except (OSError, ValueError):  # missing, torn, binary: not finished (a rank rewrites it)
+            return False
+        if not isinstance(state, dict) or state.get("state") != "finished":
             return False
     return True
 

@@ -350,3 +350,15 @@ def test_status_after_the_supervisor_is_killed(hep_files, tmp_path):
         assert "nothing to cancel" in said
     finally:
         stop_leftovers(run_dir)
+
+
+def test_the_applier_takes_a_garbled_group_state_for_not_finished(tmp_path):
+    from hpcdl.runs import RunDir
+    from hpcdl.worker import groups_finished
+
+    run = RunDir(tmp_path)
+    for g, content in enumerate([b'{"state": "finished"}', b"\xff\xfe\x00binary", b"[1, 2]"]):
+        run.group_state_file(g).parent.mkdir(parents=True)
+        run.group_state_file(g).write_bytes(content)
+    assert groups_finished(run, 1)
+    assert not groups_finished(run, 2) and not groups_finished(run, 3)
