@@ -12,6 +12,7 @@ import click
 from rich.console import Console
 
 from hpcdl import __version__
+from hpcdl.config import BACKEND_CHOICES
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -27,9 +28,11 @@ class HpcdlGroup(click.Group):
     def invoke(self, ctx):
         from hpcdl.config import JobError
         from hpcdl.evaluate import EvaluateError
+        from hpcdl.exchange import CorruptFile
         from hpcdl.launch import LaunchError
         from hpcdl.runs import RunError
         from hpcdl.schedulers.base import SchedulerError
+        from hpcdl.workloads.common import DataFileError
 
         try:
             return super().invoke(ctx)
@@ -37,10 +40,8 @@ class HpcdlGroup(click.Group):
             raise click.UsageError(str(exc), ctx) from None
         except SchedulerError as exc:
             raise click.ClickException(str(exc)) from None
-        except ValueError as exc:  # data errors from workload readers
-            if type(exc).__name__ in ("DataError", "CorruptFile"):
-                raise click.UsageError(str(exc), ctx) from None
-            raise
+        except (DataFileError, CorruptFile) as exc:  # a data file, or an exchange file, that is unusable
+            raise click.UsageError(str(exc), ctx) from None
 
 
 def _emit_json(data) -> None:
@@ -61,7 +62,7 @@ def main() -> None:
 # -- submit --------------------------------------------------------------------------------------
 @main.command()
 @click.argument("job")
-@click.option("--backend", type=click.Choice(["auto", "local", "slurm"]), help="Where to run (default: the job's run.backend, auto: SLURM where sbatch is on PATH and the controller answers, else this machine).")
+@click.option("--backend", type=click.Choice(list(BACKEND_CHOICES)), help="Where to run (default: the job's run.backend, auto: SLURM where sbatch is on PATH and the controller answers, else this machine).")
 @click.option("--nodes", type=click.IntRange(min=1), help="Nodes in total (run.nodes).")
 @click.option("--group-size", type=click.IntRange(min=0), help="Nodes per synchronous group; must divide --nodes (run.group_size, 0 = one group).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), help="Horovod ranks per node (run.ranks_per_node).")
@@ -92,7 +93,14 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
         _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,
                     "commands": prepared.dryrun.commands}) if as_json else click.echo(text, nl=False)
         return
-    if prepared.scheduler.name == "local" and not detach and not as_json:
+    _start_and_report(prepared.job, prepared.scheduler.name, lambda **kw: submit_run(prepared, **kw),
+                      detach, as_json)
+
+
+def _start_and_report(job, backend: str, start, detach: bool, as_json: bool) -> None:
+    """Start a prepared run (submit or resume): the local backend in the foreground with a
+    progress bar unless detached; print the run and its SLURM job ids."""
+    if backend == "local" and not detach and not as_json:
         from hpcdl.display import training_progress
 
         with training_progress(console) as progress:
@@ -110,9 +118,9 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
                                 (f" · restarts {gp.restarts}" if gp.restarts else ""))
                     progress.update(tasks[g], completed=state.get("step", 0), info=info)
 
-            result = submit_run(prepared, foreground=True, on_tick=on_tick)
+            result = start(foreground=True, on_tick=on_tick)
     else:
-        result = submit_run(prepared, foreground=not detach)
+        result = start(foreground=not detach)
     if as_json:
         _emit_json(result)
     else:
@@ -120,12 +128,40 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
         if result.get("slurm_array_job_id"):
             applier = result.get("slurm_applier_job_id")
             console.print(f"SLURM jobs: group array {result['slurm_array_job_id']} "
-                          f"(elements 0-{prepared.job.run.groups - 1})"
+                          f"(elements 0-{job.run.groups - 1})"
                           + (f", applier {applier}" if applier else ""))
         if result.get("ok") is False:
             err.print("[red]the run did not finish: see `hpcdl status` and the logs under groups/[/]")
     if result.get("ok") is False:
         sys.exit(1)
+
+
+# -- resume ---------------------------------------------------------------------------------------
+@main.command()
+@click.argument("run")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Change a job field for the rest of the run, e.g. --set train.steps=2000 (repeatable).")
+@click.option("--backend", type=click.Choice(list(BACKEND_CHOICES)), help="Where to run it now (run.backend).")
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--no-check-data", is_flag=True, help="Do not open the data files now (run.check_data = false).")
+@click.option("--detach", is_flag=True, help="Local backend: run in the background and return at once.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
+    """Continue RUN (a run directory or id) in place: every group from its newest checkpoint, the
+    applier from its state. For a run whose supervisor died, that was cancelled, gave up after
+    its restarts, or finished and should train longer (--set train.steps=N)."""
+    from hpcdl.resume import prepare_resume, resume_run
+    from hpcdl.runs import find_run
+
+    cli_overrides = list(overrides)
+    if backend:
+        cli_overrides.append(f'run.backend="{backend}"')
+    if no_check_data:
+        cli_overrides.append("run.check_data=false")
+    prepared = prepare_resume(find_run(run, runs_dir), cli_overrides,
+                              on_note=lambda note: err.print(note, soft_wrap=True, markup=False))
+    _start_and_report(prepared.job, prepared.scheduler.name, lambda **kw: resume_run(prepared, **kw),
+                      detach, as_json)
 
 
 def _read_state(path: Path) -> dict:

@@ -24,6 +24,9 @@ from hpcdl.resources import shipped_dir
 JOBS_DIR = shipped_dir("jobs")
 
 
+BACKEND_CHOICES = ("auto", "local", "slurm")  # auto: SLURM where it answers, else this machine
+
+
 class JobError(ValueError):
     """A job file or override that cannot be used; the message names the field."""
 
@@ -63,8 +66,7 @@ class RunConfig:
             raise JobError(
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
             )
-        if self.backend not in ("auto", "local", "slurm"):
-            raise JobError(f"run.backend must be 'auto', 'local' or 'slurm', got {self.backend!r}")
+        _choice("run.backend", self.backend, BACKEND_CHOICES)
 
     @property
     def nodes_per_group(self) -> int:
