@@ -93,10 +93,15 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
+    validate_every: int = 0  # steps between validations on data.val (0: none); hybrid: the master
+    validate_events: int = 1024  # the fixed subset: the first N examples of data.val
 
     def validate(self) -> None:
-        for name in ("steps", "batch_per_rank", "log_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("steps", "batch_per_rank", "log_every", "checkpoint_every", "keep_checkpoints",
+                     "validate_events"):
             _positive(f"train.{name}", getattr(self, name))
+        if self.validate_every < 0:
+            raise JobError(f"train.validate_every must be >= 0 (0: no validation), got {self.validate_every}")
         if self.optimizer not in ("adam", "sgd"):
             raise JobError(f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
         if not self.learning_rate > 0:

@@ -31,6 +31,16 @@ def _age(seconds: float | None) -> str:
     return f"{seconds:.0f}s" if seconds < 120 else f"{seconds / 60:.0f}m"
 
 
+def validation_text(v: Mapping[str, Any] | None) -> str:
+    """The newest validation's figure of merit, e.g. "AUC 0.912 @400"."""
+    if not v:
+        return "-"
+    for key, label in (("auc", "AUC"), ("map50", "mAP"), ("loss", "loss")):
+        if v.get(key) is not None:
+            return f"{label} {v[key]:.3f} @{v.get('step', '?')}"
+    return "-"
+
+
 def status_view(status: Mapping[str, Any]):
     title = (f"[bold]{status['run_id']}[/] · {status['workload']} · {status['backend']} · "
              f"[bold]{status['state']}[/]" + (f" · {status['note']}" if status.get("note") else ""))
@@ -45,7 +55,7 @@ def status_view(status: Mapping[str, Any]):
                   + (f", shard {e['kill_shard']} killed at {e['kill_after_s']:g} s" if e["kill_shard"] >= 0 else "")
                   + "[/]")
     groups = Table(title=title, title_justify="left", expand=False)
-    for column in ("grp", "state", "step", "loss", "img/s", "FLOP/s", "sustained",
+    for column in ("grp", "state", "step", "loss", "val", "img/s", "FLOP/s", "sustained",
                    "xchg age", "stale", "rest."):
         groups.add_column(column, justify="left" if column == "state" else "right", no_wrap=True)
     for g in status["groups"]:
@@ -55,7 +65,7 @@ def status_view(status: Mapping[str, Any]):
         slurm = g["backend"].get("nodes") or g["backend"].get("reason")  # where, or why not yet
         state = g["state"] + (f" ({slurm})" if slurm else "")
         groups.add_row(str(g["group"]), state, f"{g['step']}/{g['steps']}", _num(g["loss"]),
-                       _num(g["images_per_s"], "{:.1f}"), si(g["flops_per_s"]),
+                       validation_text(g.get("validation")), _num(g["images_per_s"], "{:.1f}"), si(g["flops_per_s"]),
                        si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")), stale,
                        str(g["restarts"]))
     parts = [groups]

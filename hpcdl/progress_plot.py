@@ -43,10 +43,16 @@ def plot_run(run: RunDir, path: Path) -> Path:
         if hybrid:
             axes[2].step([m["time"] - t0 for m in rows], [m.get("exchange_version", -1) for m in rows],
                          where="post", lw=1, label=label)
+    validated = sorted({(m["val_step"], m["val_loss"]) for rows in series.values() for m in rows
+                        if m.get("val_loss") is not None and m.get("val_step") is not None})
+    if validated:
+        loss_ax.plot(*zip(*validated), "o--", color="black", ms=3, lw=1,
+                     label="validation" + (" (master weights)" if hybrid else ""))
+        loss_ax.legend(fontsize=7)
     if len(series) > 1:
         edges, total = aggregate_flops(series, t0)
         rate_ax.plot(edges, total / 1e9, color="black", lw=1.6, label="all groups")
-    loss_ax.set(xlabel="step", ylabel="training loss", title=f"{run.run_id}")
+    loss_ax.set(xlabel="step", ylabel="loss", title=f"{run.run_id}")
     if all(m["loss"] > 0 for rows in series.values() for m in rows):
         loss_ax.set_yscale("log")
     rate_ax.set(xlabel="seconds since the first logged step", ylabel="GFLOP/s")

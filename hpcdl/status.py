@@ -64,6 +64,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             "steps": job.train.steps,
             "loss": last.get("loss"),
             "images_per_s": last.get("images_per_s"),
+            # the newest validation (train.validate_every): {"step", "auc", "loss", ...}
+            "validation": {k[4:]: v for k, v in last.items() if k.startswith("val_")} or None,
             "flops_per_s": last.get("flops_per_s_group"),
             "peak_flops_per_s": max((m.get("flops_per_s_group", 0.0) for m in metrics), default=None),
             "sustained_flops_per_s": last.get("sustained_flops_per_s_group"),
@@ -95,7 +97,9 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             entry["staleness_max"] = per_group.get("staleness_max")
     storage = _storage_warnings(run, job, groups, applier is not None)
     totals = {
-        "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == "running"),
+        # running groups' rates; once none runs, the rates they last reported
+        "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == "running")
+        if any(g["state"] == "running" for g in groups) else _sum(g["images_per_s"] for g in groups),
         "sustained_flops_per_s": _sum(g["sustained_flops_per_s"] for g in groups),
         "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
         "nodes": job.run.nodes,

@@ -77,7 +77,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None,
                 stop_requested: Callable[[], bool] | None = None,
                 report: dict[str, Any] | None = None,
-                pace: Callable[[int, float], None] | None = None) -> TrainResult:
+                pace: Callable[[int, float], None] | None = None,
+                validate: Callable[[Any], dict[str, float]] | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
@@ -86,7 +87,9 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     before the time limit) is agreed on by all ranks at each step: the group checkpoints and
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
     `pace(step, started)`, called after each step with the step's start (perf_counter), may
-    stretch it (the straggler emulator, hpcdl.emulate).
+    stretch it (the straggler emulator, hpcdl.emulate). `validate(model)` (rank 0; the workload's
+    figures on a fixed validation subset) runs every `train.validate_every` steps and at the end;
+    with an exchange, at the first adoption from then on, so it scores the master weights.
     """
     if exchange and hvd.rank() == 0 and sync is None:
         raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
@@ -134,6 +137,9 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     total_steps_here = 0
     coordinate = exchange or stop_requested is not None
     stopped = False
+    validate_every = job.train.validate_every if validate is not None and rank == 0 else 0
+    validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
+    validation_due = False
 
     for current in range(resumed_from + 1, job.train.steps + 1):
         started = time.perf_counter()
@@ -162,6 +168,23 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 hvd.broadcast_variables(variables, root_rank=0)
             stopped = bool(stop)
 
+        if validate_every:
+            validation_due = validation_due or current % validate_every == 0
+            adopted_now = not exchange or bool(adopt)
+            if (validation_due and adopted_now) or current == job.train.steps:
+                validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
+                if exchange:
+                    validation["val_master_version"] = sync.stats().get("exchange_version")
+                validation_due = False
+
+                def val_summaries():
+                    with writer.as_default(step=current):
+                        for key, value in validation.items():
+                            if key not in ("val_step", "val_master_version"):
+                                tf.summary.scalar(key.replace("val_", "validation/", 1), value)
+
+                attempt(report_beside(paths.state), "tensorboard", val_summaries)
+
         if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
             elapsed = time.perf_counter() - window_start
             per_rank_images = window_steps * batch_images / elapsed
@@ -183,6 +206,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             }
             if exchange:
                 last.update(sync.stats())
+            last.update(validation)
             # A full disk or quota is recorded (hpcdl status shows it) and training goes on.
             attempt(report_beside(paths.state), "metrics", append_jsonl, paths.metrics, last)
 

@@ -15,6 +15,7 @@ This is the glue between a scheduler and the engine; neither knows the other.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -214,9 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         # Rank 0's view is enough: the engine spreads it to the group with a collective.
         return stop["requested"] or (hvd.rank() == 0 and stop_mark.exists())
 
+    validate = None
+    val = Path(getattr(job.data, "val", "") or "")
+    # With an exchange the master weights are scored, once: by group 0's root.
+    if job.train.validate_every and val.is_file() and (group == 0 or not exchange):
+        validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
+
     result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
                          exchange=exchange, sync=sync, stop_requested=stop_requested, report=report,
-                         pace=pace)
+                         pace=pace, validate=validate)
     if result.stopped and hvd.rank() == 0:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the batch script to requeue.

@@ -20,7 +20,8 @@ trap 'fail "step exited with status $? (line $LINENO); see the output above"' ER
 step "virtual environment $VENV ($($PYTHON --version))"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || fail "cannot create a venv with $PYTHON (install python3-venv)"
 PY="$VENV/bin/python"
-"$PY" -m pip install --quiet --upgrade pip setuptools wheel packaging "cmake<5"
+# TensorBoard 2.16 imports pkg_resources, which setuptools 81 and newer no longer ship.
+"$PY" -m pip install --quiet --upgrade pip "setuptools>=77,<81" wheel packaging "cmake<5"
 
 step "tensorflow-cpu==$TF_VERSION"
 "$PY" -m pip install --quiet "tensorflow-cpu==$TF_VERSION"

@@ -58,6 +58,11 @@ class Workload(ABC):
         """Scalar loss of a batch (a TensorFlow tensor; traced inside tf.function)."""
 
     @abstractmethod
+    def validate(self, model, stats: dict[str, Any], data: Path, limit: int) -> dict[str, float]:
+        """The workload's figures of merit on the first `limit` examples of `data` (a fixed
+        subset), while training: small, quick, names without a prefix ("loss", "auc", ...)."""
+
+    @abstractmethod
     def evaluate(self, model, stats: dict[str, Any], data: Path, out_dir: Path,
                  scores_out: Path | None = None, progress=None) -> dict[str, Any]:
         """Score `data`, write plots into out_dir, and return the metrics as a JSON-able dict."""

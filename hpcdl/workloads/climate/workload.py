@@ -69,8 +69,9 @@ class ClimateWorkload(Workload):
         x, target, labelled = batch
         return model.loss(x, target, labelled)
 
-    def detect(self, model, stats, data: Path, progress=None):
-        """Detections (after NMS) and true boxes of every labelled image of `data`, in file order.
+    def detect(self, model, stats, data: Path, progress=None, limit: int | None = None):
+        """Detections (after NMS) and true boxes of every labelled image of `data` (the first
+        `limit`), in file order.
 
         Returns (indices, detections [(k, 6)], truths [(t, 5)], first images' raw TMQ fields)."""
         import tensorflow as tf
@@ -100,7 +101,17 @@ class ClimateWorkload(Workload):
                     fields.append(st.denormalize(x[k])[..., cdata.TMQ])
             if progress:
                 progress(len(idx))
-        return indices, dets, truths, fields
+            if limit is not None and len(indices) >= limit:
+                break
+        return indices[:limit], dets[:limit], truths[:limit], fields
+
+    def validate(self, model, stats, data: Path, limit: int) -> dict[str, float]:
+        """mAP at IoU 0.5 on the first `limit` labelled images."""
+        from hpcdl.workloads.climate import metrics
+
+        _, dets, truths, _ = self.detect(model, stats, Path(data), limit=limit)
+        m = metrics.detection_metrics(dets, truths, thresholds=(0.5,)).get("map_50")
+        return {} if m is None else {"map50": m}
 
     def evaluate(self, model, stats, data: Path, out_dir: Path, scores_out: Path | None = None,
                  progress=None) -> dict[str, Any]:

@@ -64,8 +64,9 @@ class HepWorkload(Workload):
         # physics cross-sections.
         return tf.reduce_sum(per_event * w) / tf.reduce_sum(w)
 
-    def scores(self, model, stats, data: Path, batch_size: int = 512, progress=None):
-        """Signal probability of every event of `data`, in file order, with labels and weights."""
+    def scores(self, model, stats, data: Path, batch_size: int = 512, progress=None, limit: int | None = None):
+        """Signal probability of every event of `data` (the first `limit`), in file order, with
+        labels and weights."""
         import tensorflow as tf
 
         norm = hepdata.Normalization.from_dict(stats)
@@ -85,9 +86,29 @@ class HepWorkload(Workload):
                 parts["pass"].append(passed)
             if progress:
                 progress(len(y))
-        out = {k: np.concatenate(v) for k, v in parts.items() if v}
+            if limit is not None and sum(len(i) for i in parts["index"]) >= limit:
+                break
+        out = {k: np.concatenate(v)[:limit] for k, v in parts.items() if v}
         if not has_pass:
             out.pop("pass", None)
+        return out
+
+    def validate(self, model, stats, data: Path, limit: int) -> dict[str, float]:
+        """Class-balanced cross-entropy, weighted AUC, and the TPR at the cut-based selection's FPR."""
+        from hpcdl.workloads.hep import metrics
+
+        s = self.scores(model, stats, data, batch_size=min(512, limit), limit=limit)
+        y = s["y"].astype(np.int64)
+        p = np.clip(s["score"].astype(np.float64), 1e-7, 1.0 - 1e-7)
+        w = hepdata.Normalization.from_dict(stats).event_weights(y, s["w"]).astype(np.float64)
+        out = {"loss": float(-np.sum(w * np.where(y == 1, np.log(p), np.log1p(-p))) / np.sum(w))}
+        try:
+            m = metrics.evaluate_scores(s["score"], s["y"], s["w"], s.get("pass"))
+        except ValueError:  # the subset holds one class only
+            return out
+        out["auc"] = m.auc_weighted
+        if m.cnn_tpr_at_selection_fpr is not None:
+            out["tpr_at_selection_fpr"] = m.cnn_tpr_at_selection_fpr
         return out
 
     def evaluate(self, model, stats, data: Path, out_dir: Path, scores_out: Path | None = None,
