@@ -126,7 +126,7 @@ class ExchangeConfig:
     kind: str = "gradient"  # gradient: the paper's; delta: local steps, then the weights' delta
     every: int = 1  # gradient: publish every N-th step's gradient; delta: H local steps per delta
     optimizer: str = "adam"  # the applier's update rule (hpcdl.applier.rules)
-    learning_rate: float = 1e-3
+    learning_rate: float = 0.0  # 0: from the number of groups (applier_learning_rate)
     momentum: float = 0.9  # momentum's and nesterov's μ, adam's β1
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
     staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
@@ -153,8 +153,8 @@ class ExchangeConfig:
         _positive("exchange.max_pending_per_group", self.max_pending_per_group)
         if self.max_staleness < 0:
             raise JobError(f"exchange.max_staleness must be >= 0, got {self.max_staleness}")
-        if not self.learning_rate > 0:
-            raise JobError(f"exchange.learning_rate must be > 0, got {self.learning_rate}")
+        if self.learning_rate < 0:
+            raise JobError(f"exchange.learning_rate must be > 0, or 0 for the default, got {self.learning_rate}")
         if not 0.0 <= self.momentum < 1.0:
             raise JobError(f"exchange.momentum must be in [0, 1), got {self.momentum}")
         for name in ("momentum_delay", "max_outstanding"):
@@ -167,6 +167,17 @@ class ExchangeConfig:
 
     def active(self, groups: int) -> bool:
         return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
+
+    def applier_learning_rate(self, train_learning_rate: float, groups: int) -> float:
+        """The applier's rate: the job's, or by default what the hybrid race found (README):
+        gradients at the groups' rate / √G (G stale small-batch steps stand for one synchronous
+        step of G times the batch); deltas averaged in at twice their mean (outer SGD at 2/G), or
+        DiLoCo's outer Nesterov rate 0.7."""
+        if self.learning_rate:
+            return self.learning_rate
+        if self.kind == "gradient":
+            return train_learning_rate / max(1, groups) ** 0.5
+        return 0.7 if self.optimizer == "nesterov" else 2.0 / max(1, groups)
 
     def momentum_delay_for(self, groups: int) -> int:
         return self.momentum_delay or max(1, groups)

@@ -114,7 +114,8 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 1
     try:
-        applier = Applier(channel, x.optimizer, x.learning_rate, max_staleness=x.max_staleness,
+        lr = x.applier_learning_rate(job.train.learning_rate, job.run.groups)
+        applier = Applier(channel, x.optimizer, lr, max_staleness=x.max_staleness,
                           stale_policy=x.stale_policy, keep_versions=x.keep_versions,
                           momentum=x.momentum, beta1=x.momentum,
                           momentum_delay=x.momentum_delay_for(job.run.groups),

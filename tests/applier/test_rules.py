@@ -101,3 +101,12 @@ def test_a_replay_below_the_newest_processed_seq_is_never_applied(tmp_path):
             pass
         assert app.weights["w"][0] == pytest.approx(-2.0)
         assert app.counts["duplicates"] == 1 and app.counts["applied"] == 2
+
+
+def test_the_default_applier_rate_follows_the_groups():
+    from hpcdl.config import ExchangeConfig
+
+    assert ExchangeConfig(learning_rate=5e-4).applier_learning_rate(1e-3, 8) == 5e-4  # the job's
+    assert ExchangeConfig().applier_learning_rate(1e-3, 4) == pytest.approx(5e-4)  # 1e-3 / √4
+    assert ExchangeConfig(kind="delta", optimizer="sgd").applier_learning_rate(1e-3, 8) == 0.25
+    assert ExchangeConfig(kind="delta", optimizer="nesterov").applier_learning_rate(1e-3, 8) == 0.7
