@@ -11,13 +11,9 @@ The rules (all pure functions below, tested in tests/test_tuning.py):
   CPUs the process may run on); otherwise the usable CPUs (affinity mask, capped by a cgroup CPU
   quota) shared evenly by the ranks on this host, at least 1.
 * intra-op threads = those cores (one op's parallel loops fill the rank's cores).
-* inter-op threads: 2 when the rank owns 2 cores or more, else 1. Measured with `make bench`, HEP
-  step at 224², side by side: on a 2-core Xeon (Sapphire Rapids, KVM) inter-op 1 reached 0.83-0.87x
-  the best FLOP/s of inter-op 2 (independent ops of the backward pass, a layer's data and weight
-  gradients, overlap); on a 2-core AMD EPYC (Zen 4, KVM) the two were equal within noise (medians
-  0.96x). 2 is never worse.
-* intra-op threads: 1 instead of the rank's 2 cores gave 0.76x (Xeon) and 0.78x (EPYC).
-* oneDNN on (TensorFlow's default on x86 Linux): off (Eigen) gave ~0.5x on the HEP step (both).
+* inter-op threads: 2 when the rank owns 2 cores or more, else 1: independent ops of the backward
+  pass (a layer's data and weight gradients) overlap; 2 was never slower than 1 where measured.
+* intra-op threads below the rank's cores, and oneDNN off (Eigen), were both clearly slower.
 * Data layout NHWC: hpcdl's layers are written NHWC, the layout oneDNN's CPU kernels take
   directly (they reorder to blocked formats internally); nothing to choose at run time.
 * OpenMP variables: TensorFlow's pip wheels run oneDNN on TensorFlow's own thread pool and load no
@@ -30,11 +26,11 @@ The rules (all pure functions below, tested in tests/test_tuning.py):
   and says why. bfloat16 is oneDNN's "fpmath mode" (TF_SET_ONEDNN_FPMATH_MODE=BF16, and oneDNN's
   own ONEDNN_DEFAULT_FPMATH_MODE): tensors and variables stay float32, and oneDNN computes
   convolutions and matmuls from bfloat16-rounded inputs with float32 accumulation (on AMX tiles
-  where there are some). No model code changes; the HEP step measured 1.1-1.5x faster on a
-  Sapphire Rapids core pair (forward and data-gradient convolutions move to AMX; oneDNN 3.3 keeps
-  weight gradients in float32), with the same AUC curve over 400 steps; on Zen 4 (AVX512_BF16
-  dot products, no AMX) only ~1.03x. float32 sets the mode to STRICT, so a stray
+  where there are some), so no model code changes. float32 sets the mode to STRICT, so a stray
   ONEDNN_DEFAULT_FPMATH_MODE in the user's environment cannot lower the precision unannounced.
+
+The figures behind these rules, with the CPUs they were measured on, are in README's Figures and
+bench/results/.
 """
 
 from __future__ import annotations
