@@ -20,7 +20,6 @@ from hpcdl.config import Job, JobError, load_job
 from hpcdl.runs import RunDir, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
-from hpcdl.worker import REQUEUE_MARK, STOP_MARK
 
 # What the checkpoints, the shards and the applier's state were made with.
 FIXED = {
@@ -108,8 +107,8 @@ def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, A
             target.chmod(0o755)
     run.cancel_mark.unlink(missing_ok=True)
     for g in range(job.run.groups):
-        for mark in (STOP_MARK, REQUEUE_MARK):
-            (run.group_dir(g) / mark).unlink(missing_ok=True)
+        for mark in (run.stop_mark(g), run.requeue_mark(g)):
+            mark.unlink(missing_ok=True)
         path = run.group_state_file(g)
         try:
             state = read_json_file(path)

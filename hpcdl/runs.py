@@ -45,6 +45,10 @@ from hpcdl.storage import REPORT_FILE, StorageReport
 import tomllib
 
 
+# The names of the marks in a group's directory; the sbatch template gets them as placeholders.
+STOP_MARK_NAME = "stop"
+REQUEUE_MARK_NAME = "requeue"
+
 class RunError(ValueError):
     """No such run, or a directory that is not a run."""
 
@@ -98,6 +102,20 @@ class RunDir:
     def scheduler_dir(self) -> Path:
         return self.root / "scheduler"
 
+    def script_file(self, name: str) -> Path:
+        """A rendered batch script (``group.sbatch``, ``applier.sbatch``)."""
+        return self.scheduler_dir / name
+
+    @property
+    def local_state_file(self) -> Path:
+        """The local supervisor's record of its processes."""
+        return self.scheduler_dir / "local.json"
+
+    @property
+    def slurm_jobs_file(self) -> Path:
+        """The SLURM job ids of the run."""
+        return self.scheduler_dir / "slurm.json"
+
     @property
     def applier_log(self) -> Path:
         """The applier's output on the local backend."""
@@ -144,13 +162,25 @@ class RunDir:
         return self.scheduler_dir / REPORT_FILE
 
     def group_dir(self, group: int) -> Path:
-        return self.root / "groups" / str(group)
+        return self.groups_dir / str(group)
 
     def metrics_file(self, group: int) -> Path:
         return self.group_dir(group) / "metrics.jsonl"
 
     def group_state_file(self, group: int) -> Path:
         return self.group_dir(group) / "state.json"
+
+    @property
+    def groups_dir(self) -> Path:
+        return self.root / "groups"
+
+    def stop_mark(self, group: int) -> Path:
+        """Left by the batch script (SLURM's warning signal): the group checkpoints and stops."""
+        return self.group_dir(group) / STOP_MARK_NAME
+
+    def requeue_mark(self, group: int) -> Path:
+        """Left by a group's rank 0 that stopped on request after a checkpoint: requeue it."""
+        return self.group_dir(group) / REQUEUE_MARK_NAME
 
     def emulated_kill_mark(self, group: int) -> Path:
         """Exists once the straggler emulator's planned kill happened in this group."""

@@ -30,8 +30,6 @@ from hpcdl.tuning import plan_for_this_process
 
 STATS_WAIT_S = 3600.0
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
-STOP_MARK = "stop"  # in a group's directory: the batch script asks the group to stop
-REQUEUE_MARK = "requeue"  # in a group's directory: it stopped on request after a checkpoint
 
 
 def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
@@ -203,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         state=run.group_state_file(group),
         tensorboard=run.tensorboard_dir(group),
     )
-    stop_mark = run.group_dir(group) / STOP_MARK
+    stop_mark = run.stop_mark(group)
     pace = None
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator
@@ -228,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if result.stopped and hvd.rank() == 0:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the batch script to requeue.
-        (run.group_dir(group) / REQUEUE_MARK).touch()
+        run.requeue_mark(group).touch()
     hvd.shutdown()
     return 0
 

@@ -23,11 +23,9 @@ from typing import Any, Callable
 from hpcdl.config import JobError
 from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
-from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
+from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
 from hpcdl.storage import attempt, storage_report
-from hpcdl.worker import REQUEUE_MARK
 
-STATE_FILE = "scheduler/local.json"
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 # A rank per core is best; a few may share one: tests, a small hybrid run, and the hybrid race's
 # 8 emulated ranks + applier on 2 cores (bench/hybrid_race.py), whose pace is set by sleeps.
@@ -126,7 +124,7 @@ class Supervisor:
                 gp.exit_codes = codes
                 if all(c == 0 for c in codes):
                     self._stop_group(gp)
-                    requeue = self.run.group_dir(gp.group) / REQUEUE_MARK
+                    requeue = self.run.requeue_mark(gp.group)
                     # A signal to the ranks themselves (Ctrl-C, a SIGTERM) stops them after a
                     # checkpoint, with exit 0 and the requeue mark: stopped, not finished.
                     gp.state = "cancelled" if requeue.exists() else "finished"
@@ -150,7 +148,7 @@ class Supervisor:
     def publish(self) -> None:
         """Write scheduler/local.json; a full disk or quota is recorded, and watching goes on
         (the previous version stays in place)."""
-        attempt(self.storage, "supervisor state", write_json_atomic, self.run.root / STATE_FILE, {
+        attempt(self.storage, "supervisor state", write_json_atomic, self.run.local_state_file, {
             "supervisor_pid": os.getpid(),
             "updated": time.time(),
             "groups": {
@@ -298,7 +296,7 @@ class LocalScheduler(Scheduler):
         return {"supervisor_pid": proc.pid}
 
     def describe(self, run: RunDir) -> dict[str, Any]:
-        path = run.root / STATE_FILE
+        path = run.local_state_file
         if not path.is_file():
             return {"groups": {}, "applier": None, "note": "not started yet"}
         state = read_json_file(path)
@@ -318,7 +316,7 @@ class LocalScheduler(Scheduler):
 
     def is_active(self, run: RunDir) -> bool:
         """The supervisor is alive and has not yet reported every group ended."""
-        path = run.root / STATE_FILE
+        path = run.local_state_file
         if not path.is_file():
             return _pid_alive(run.info().get("supervisor_pid"))  # detached, before its first report
         state = self.describe(run)

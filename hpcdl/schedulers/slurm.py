@@ -19,13 +19,14 @@ from typing import Any
 
 from hpcdl.config import Job, JobError
 from hpcdl.resources import shipped_dir
-from hpcdl.runs import RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import (
+    REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic,
+)
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
 TEMPLATES_DIR = shipped_dir("slurm_templates")
-GROUP_SCRIPT = "scheduler/group.sbatch"
-APPLIER_SCRIPT = "scheduler/applier.sbatch"
-JOBS_FILE = "scheduler/slurm.json"
+GROUP_SCRIPT = "group.sbatch"  # template names; RunDir.script_file places the rendered ones
+APPLIER_SCRIPT = "applier.sbatch"
 
 # SLURM's many states, mapped once into the few a user needs; anything else is "unknown".
 STATES = {
@@ -149,7 +150,7 @@ def render_group_script(request: SubmitRequest) -> str:
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if s.signal_seconds:
         directives.append(f"#SBATCH --signal=B:{s.signal}@{s.signal_seconds}")
-    return fill(load_template(job, "group.sbatch"), {
+    return fill(load_template(job, GROUP_SCRIPT), {
         "sbatch_directives": "\n".join(directives),
         "setup": _setup_lines(job),
         "tuning_env": "\n".join(tuning),
@@ -162,7 +163,10 @@ def render_group_script(request: SubmitRequest) -> str:
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
         "max_restarts": str(job.run.max_restarts),
-    }, "group.sbatch")
+        "groups_dir": shlex.quote(str(RunDir(request.run.root.resolve()).groups_dir)),
+        "stop_mark_name": STOP_MARK_NAME,
+        "requeue_mark_name": REQUEUE_MARK_NAME,
+    }, GROUP_SCRIPT)
 
 
 def render_applier_script(request: SubmitRequest) -> str:
@@ -172,7 +176,7 @@ def render_applier_script(request: SubmitRequest) -> str:
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if job.slurm.signal_seconds:
         directives.append(f"#SBATCH --signal=B:{job.slurm.signal}@{job.slurm.signal_seconds}")
-    return fill(load_template(job, "applier.sbatch"), {
+    return fill(load_template(job, APPLIER_SCRIPT), {
         "sbatch_directives": "\n".join(directives),
         "setup": _setup_lines(job),
         "run_dir": shlex.quote(str(request.run.root.resolve())),
@@ -180,7 +184,7 @@ def render_applier_script(request: SubmitRequest) -> str:
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
         "max_restarts": str(job.run.max_restarts),
-    }, "applier.sbatch")
+    }, APPLIER_SCRIPT)
 
 
 def sbatch_commands(request: SubmitRequest) -> dict[str, list[str]]:
@@ -190,9 +194,9 @@ def sbatch_commands(request: SubmitRequest) -> dict[str, list[str]]:
     commands = {}
     if request.job.exchange.active(groups):
         commands["applier"] = ["sbatch", "--parsable", f"--output={run.slurm_applier_output}",
-                               str(run.root / APPLIER_SCRIPT)]
+                               str(run.script_file(APPLIER_SCRIPT))]
     commands["array"] = ["sbatch", "--parsable", f"--array=0-{groups - 1}",
-                         f"--output={run.slurm_group_output}", str(run.root / GROUP_SCRIPT)]
+                         f"--output={run.slurm_group_output}", str(run.script_file(GROUP_SCRIPT))]
     return commands
 
 
@@ -282,9 +286,12 @@ class SlurmScheduler(Scheduler):
                 f"{job.run.groups} groups need array indices 0-{job.run.groups - 1}, but this cluster's "
                 f"MaxArraySize is {limit}: use a larger run.group_size"
             )
-        files = {GROUP_SCRIPT: render_group_script(request)}
+        def rel(name: str) -> str:  # DryRun.files are relative to the run directory
+            return str(request.run.script_file(name).relative_to(request.run.root))
+
+        files = {rel(GROUP_SCRIPT): render_group_script(request)}
         if job.exchange.active(job.run.groups):
-            files[APPLIER_SCRIPT] = render_applier_script(request)
+            files[rel(APPLIER_SCRIPT)] = render_applier_script(request)
         return DryRun(self.name, files, list(sbatch_commands(request).values()), request)
 
     def schedule(self, dryrun: DryRun, **_: Any) -> dict[str, Any]:
@@ -300,11 +307,11 @@ class SlurmScheduler(Scheduler):
                 _run(["scancel", *submitted.values()])
             raise
         ids = {"slurm_array_job_id": submitted["array"], "slurm_applier_job_id": submitted.get("applier")}
-        write_json_atomic(dryrun.request.run.root / JOBS_FILE, ids)
+        write_json_atomic(dryrun.request.run.slurm_jobs_file, ids)
         return ids
 
     def _ids(self, run: RunDir) -> dict[str, str | None]:
-        path = run.root / JOBS_FILE
+        path = run.slurm_jobs_file
         if not path.is_file():
             raise SchedulerError(f"{run.root} has no SLURM job ids: was it submitted?")
         ids = read_json_file(path)
