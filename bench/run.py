@@ -23,10 +23,8 @@ exchange   update files (the HEP gradient, HMAC-signed, fsynced) written and rea
            `dd` on the same disk; the time a group spends publishing/adopting as a share of its
            wall time, from hybrid runs' metrics (exchange_seconds); that cost against the 224×224
            step; bench/exchange_load.py's applier figures if that script is present.
-hybrid     the same 4 ranks as 1×4 (synchronous), 2×2 and 4×1 groups, one rank slowed 2× by a
-           bench-only injected sleep (bench/hooks/sitecustomize.py), HEP network at 32×32: wall
-           time until the model (group 0's checkpoints; the applier's master weights when there
-           is an exchange) reaches AUC 0.90 on the validation file.
+hybrid     bench/hybrid_race.py --quick on scenarios a and b (8 ranks as 1×8 synchronous and as
+           hybrid groups, emulated stragglers, time to validation AUC 0.90): its table's rows.
 plan       the scale planner fed this run's measured node rate and exchange bandwidth.
 
 The machine is shared and noisy: measurements that are compared are taken side by side, in
@@ -44,7 +42,6 @@ import platform
 import re
 import select
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -59,14 +56,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 BENCH = REPO / "bench"
 PROBE = BENCH / "probe.py"
-HOOKS = BENCH / "hooks"
 RESULTS = BENCH / "results"
 HPCDL = str(Path(sys.executable).with_name("hpcdl"))
 
 SECTIONS = ("sgemm", "step", "tuning", "sustained", "reader", "exchange", "hybrid", "plan")
 GOALS = {"step": 0.7, "sustained": 0.6, "reader": 10.0}
-AUC_TARGET = 0.90
-SNAPSHOT_EVERY_S = 2.0  # hybrid: how often the applier's newest master weights are kept
 
 
 class BenchError(RuntimeError):
@@ -638,20 +632,17 @@ def exchange_overhead(lines: list[dict]) -> dict | None:
 
 
 def section_exchange_overhead(b: Bench) -> None:
-    runs = b.data.get("hybrid", {}).get("runs", {})
-    found = {name: r["exchange_overhead"] for name, r in runs.items() if r.get("exchange_overhead")}
-    if not found:
-        log("exchange: no hybrid runs in this bench; a short 2-group run for the overhead")
-        files = generated(b, b.args.hybrid_events, 32)
-        run_dir, _t0, proc = submit(b, "exchange", [
-            *data_sets(files), f"train.steps={b.args.exchange_steps}", "train.batch_per_rank=8",
-            "train.log_every=10", f"train.checkpoint_every={b.args.exchange_steps}", "data.chunk_events=512",
-        ], nodes=2, group_size=1)
-        if proc.returncode != 0 or run_dir is None:
-            raise BenchError(f"exchange run failed: {proc.stderr[-2000:]}")
-        per_group = [exchange_overhead(metrics(run_dir, g)) for g in range(2)]
-        found = {"2x1": [o for o in per_group if o]}
-        shutil.rmtree(run_dir, ignore_errors=True)
+    # a short 2-group run of its own, not paced by the emulator
+    files = generated(b, b.args.hybrid_events, 32)
+    run_dir, _t0, proc = submit(b, "exchange", [
+        *data_sets(files), f"train.steps={b.args.exchange_steps}", "train.batch_per_rank=8",
+        "train.log_every=10", f"train.checkpoint_every={b.args.exchange_steps}", "data.chunk_events=512",
+    ], nodes=2, group_size=1)
+    if proc.returncode != 0 or run_dir is None:
+        raise BenchError(f"exchange run failed: {proc.stderr[-2000:]}")
+    per_group = [exchange_overhead(metrics(run_dir, g)) for g in range(2)]
+    found = {"2x1": [o for o in per_group if o]}
+    shutil.rmtree(run_dir, ignore_errors=True)
     b.data["exchange_overhead"] = found
     step224 = None
     st = b.data.get("step", {}).get("step_flops")
@@ -703,163 +694,24 @@ def section_exchange_load(b: Bench) -> None:
 
 
 def section_hybrid(b: Bench) -> None:
-    files = generated(b, b.args.hybrid_events, 32)
-    res = b.data.setdefault("hybrid", {"runs": {}, "steps": b.args.hybrid_steps,
-                                       "batch_per_rank": 8, "slow_shard": 3, "slow_factor": 2.0})
-    configs = [("1x4", 4), ("2x2", 2), ("4x1", 1)]
-    snapshots: dict[str, list[tuple[float, str, int]]] = {}
-    for name, group_size in configs:
-        groups = 4 // group_size
-        snap_dir = b.work / "snapshots" / name
-        shutil.rmtree(snap_dir, ignore_errors=True)
-        snap_dir.mkdir(parents=True)
-        sync_wall = res["runs"].get("1x4", {}).get("wall_s")
-        budget = sync_wall if (groups > 1 and sync_wall) else None
-        steps = b.args.hybrid_steps if budget is None else 10 * b.args.hybrid_steps
-        state = {"cancelled": False, "linked": set(), "last_link": 0.0, "t0": time.time(), "budget": budget}
-
-        def watch(run_dir: Path, groups=groups, snap_dir=snap_dir, state=state) -> None:
-            if groups > 1:
-                wdir = run_dir / "exchange" / "weights"
-                try:
-                    names = sorted(p.name for p in wdir.iterdir() if p.name.startswith("w-v"))
-                except FileNotFoundError:
-                    names = []
-                now = time.monotonic()
-                if names and names[-1] not in state["linked"] and now - state["last_link"] >= SNAPSHOT_EVERY_S:
-                    try:
-                        os.link(wdir / names[-1], snap_dir / names[-1])
-                        state["linked"].add(names[-1])
-                        state["last_link"] = now
-                    except (FileNotFoundError, FileExistsError):
-                        pass
-            if state["budget"] is not None and not state["cancelled"]:
-                # the same wall-clock budget as the synchronous run took, start-up included
-                if time.time() - state["t0"] > state["budget"]:
-                    subprocess.run([HPCDL, "cancel", str(run_dir)], capture_output=True, cwd=b.work)
-                    state["cancelled"] = True
-
-        log(f"hybrid: {name} ({groups} group(s) of {group_size} rank(s)), rank 3 slowed 2x, "
-            + (f"{steps} steps" if budget is None else f"stopped after {budget:.0f} s (the 1x4 run's wall time)"))
-        run_dir, t0, proc = submit(
-            b, f"hybrid-{name}", [
-                *data_sets(files), f"train.steps={steps}", "train.batch_per_rank=8",
-                "train.log_every=10", "train.checkpoint_every=10", "train.keep_checkpoints=1000",
-                "data.chunk_events=512", *exchange_lr(b, groups),
-            ], nodes=4, group_size=group_size,
-            env={"PYTHONPATH": str(HOOKS) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                 "HPCDL_BENCH_SLOW_SHARD": "3", "HPCDL_BENCH_SLOW_FACTOR": "2"},
-            watch=watch)
-        wall = time.time() - t0
-        if run_dir is None:
-            raise BenchError(f"hybrid {name}: no run ({proc.returncode}): {proc.stderr[-2000:]}")
-        per_group = {g: metrics(run_dir, g) for g in range(groups)}
-        snaps: list[tuple[float, str, int]] = []
-        if groups == 1:
-            times = {m["step"]: m["time"] for m in per_group[0]}
-            for index in (run_dir / "checkpoints" / "0").glob("ckpt-*.index"):
-                stepno = int(index.name.split("-")[1].split(".")[0])
-                if stepno in times:
-                    snaps.append((times[stepno] - t0, str(index.with_suffix("")), stepno))
-        else:
-            for p in snap_dir.iterdir():
-                snaps.append((p.stat().st_mtime - t0, str(p), int(p.name[3:].split(".")[0])))
-        snaps.sort()
-        snapshots[name] = snaps
-        hooked = any("slowed" in (run_dir / "groups" / str(g) / f"rank{r}.log").read_text(errors="replace")
-                     for g in range(groups) for r in range(group_size)
-                     if (run_dir / "groups" / str(g) / f"rank{r}.log").is_file())
-        res["runs"][name] = {
-            "groups": groups, "group_size": group_size, "wall_s": wall, "returncode": proc.returncode,
-            "budget_s": budget, "cancelled_at_budget": state["cancelled"], "slow_hook_seen": hooked,
-            "steps_done": {g: (m[-1]["step"] if m else 0) for g, m in per_group.items()},
-            "first_metrics_s": min((m[0]["time"] - t0 for m in per_group.values() if m), default=None),
-            # ≈ when step 1 began: the first logged step's time minus its window's steps
-            "train_start_s": min((m[0]["time"] - m[0]["step_time_s"] * m[0]["step"] - t0
-                                  for m in per_group.values() if m), default=None),
-            "exchange_overhead": [o for o in (exchange_overhead(m) for m in per_group.values()) if o] or None,
-            "run_dir": str(run_dir), "stats": json.loads((run_dir / "stats.json").read_text()),
-            "snapshots": len(snaps),
-        }
-    # AUC against time, evaluated after the runs (so scoring does not compete with training)
-    log("hybrid: scoring the snapshots (AUC on the validation file)")
-    scorer = Probe("eval", ["--role", "eval", "--image", "32"], b.logdir)
-    try:
-        for name, _ in configs:
-            run = res["runs"][name]
-            snaps = snapshots[name]
-            found = first_crossing(scorer, snaps, run, files)
-            run.update(found)
-    finally:
-        scorer.close()
-    base = res["runs"]["1x4"].get("time_to_auc_s")
-    for name, _ in configs:
-        run = res["runs"][name]
-        t = run.get("time_to_auc_s")
-        value = f"{t:.0f} s" if t is not None else f"not reached (best {run.get('best_auc', 0):.3f})"
-        ratio = f"{base / t:.2f}x faster than 1x4" if (t and base and name != "1x4") else ""
-        what = {"1x4": "1×4 synchronous (one group)", "2x2": "2×2 hybrid", "4x1": "4×1 hybrid (all async)"}[name]
-        start = run.get("train_start_s") or 0.0
-        note = (f"{run.get('at', '')}; training from ≈{start:.0f} s"
-                + (f" ({t - start:.0f} s of training)" if t is not None else "")
-                + (f"; stopped at {run['wall_s']:.0f} s" if run.get("cancelled_at_budget") else
-                   f"; run {run['wall_s']:.0f} s")
-                + ("" if run["slow_hook_seen"] else "; SLOW HOOK NOT SEEN"))
-        b.row(f"hybrid.{name}", "hybrid", f"{what}: wall time to AUC {AUC_TARGET}", value, ratio, note, number=t)
-
-
-def exchange_lr(b: Bench, groups: int) -> list[str]:
-    """The applier's learning rate for the hybrid runs (--hybrid-exchange-lr; 0: the job's 1e-3).
-
-    Measured here: with the job's 1e-3 (and with 1e-3/groups) the master weights of 2x2 and 4x1
-    collapse within ~50 versions to a constant output (AUC 0.5, loss ln 2: dead ReLUs); 1e-4
-    learns. Stale asynchronous Adam steps want a smaller rate than the synchronous one."""
-    if groups == 1 or not b.args.hybrid_exchange_lr:
-        return []
-    return [f"exchange.learning_rate={b.args.hybrid_exchange_lr:g}"]
-
-
-def first_crossing(scorer: Probe, snaps, run: dict, files) -> dict:
-    """The first snapshot with AUC ≥ target: a coarse pass over every 3rd, then the gap before."""
-    metric = "auc_unweighted"
-    cache: dict[int, dict] = {}
-
-    def score(indices):
-        todo = [i for i in indices if i not in cache]
-        if todo:
-            out = scorer.ask(op="auc", snapshots=[snaps[i][1] for i in todo], stats=run["stats"],
-                             model={}, input_shape=[32, 32, 3], data=[str(files["val"])],
-                             run_dir=run["run_dir"])
-            for i, r in zip(todo, out["results"]):
-                cache[i] = r
-        return [cache[i] for i in indices]
-
-    if not snaps:
-        return {"time_to_auc_s": None, "best_auc": 0.0, "at": "no snapshots"}
-    coarse = list(range(0, len(snaps), 3))
-    if coarse[-1] != len(snaps) - 1:
-        coarse.append(len(snaps) - 1)
-    first = None
-    for i, r in zip(coarse, score(coarse)):
-        if r[metric] >= AUC_TARGET:
-            first = i
-            break
-    if first is not None:
-        lo = coarse[coarse.index(first) - 1] + 1 if coarse.index(first) > 0 else 0
-        for i, r in zip(range(lo, first), score(list(range(lo, first)))):
-            if r[metric] >= AUC_TARGET:
-                first = i
-                break
-    curve = [(round(snaps[i][0], 1), snaps[i][2], round(cache[i][metric], 4), round(cache[i]["auc_weighted"], 4))
-             for i in sorted(cache)]
-    out = {"auc_metric": metric, "curve": curve, "best_auc": max(c[2] for c in curve)}
-    if first is None:
-        out.update(time_to_auc_s=None, at=f"best {metric} {out['best_auc']:.3f}")
-    else:
-        t, _path, n = snaps[first]
-        kind = "step" if snaps[first][1].find("ckpt-") >= 0 else "master version"
-        out.update(time_to_auc_s=t, at=f"at {kind} {n}, {metric} {cache[first][metric]:.3f}")
-    return out
+    """The race (bench/hybrid_race.py), one seed of scenarios a and b, read back from its JSON."""
+    before = set(RESULTS.glob("race-*.json"))
+    cmd = [sys.executable, str(BENCH / "hybrid_race.py"), "--quick", "--scenarios", "a,b",
+           "--work", str(b.work / "race")]
+    with open(b.logdir / "hybrid_race.log", "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT)
+    new = sorted(set(RESULTS.glob("race-*.json")) - before)
+    if proc.returncode != 0 or not new:
+        raise BenchError(f"hybrid_race.py failed ({proc.returncode}); see {b.logdir / 'hybrid_race.log'}")
+    race = json.loads(new[-1].read_text())
+    b.data["hybrid"] = {"race_file": str(new[-1]), "summary": race["summary"]}
+    for sc, entry in race["summary"].items():
+        for name, e in entry["configs"].items():
+            t = e["time_to_target_s"]
+            value = f"{t:.0f} s" if t else f"not reached (best {e['best_auc']:.3f})"
+            ratio = f"{e['ratio_to_sync']:.2f}× sync" if e["ratio_to_sync"] else ""
+            b.row(f"hybrid.{sc}.{name}", "hybrid", f"({sc}) {entry['scenario']}: {name}, time to AUC "
+                  f"{race['target_auc']}", value, ratio, "emulated stragglers, 1 seed", number=t)
 
 
 def section_plan(b: Bench) -> None:
@@ -978,14 +830,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--exchange-files", type=int, default=20)
     ap.add_argument("--exchange-steps", type=int, default=60)
     ap.add_argument("--no-exchange-load", action="store_true", help="do not run bench/exchange_load.py")
-    ap.add_argument("--hybrid-steps", type=int, default=220)
-    ap.add_argument("--hybrid-events", type=int, default=6000)
-    ap.add_argument("--hybrid-exchange-lr", type=float, default=1e-4,
-                    help="the applier's learning rate in the hybrid runs (0: the job's, 1e-3)")
+    ap.add_argument("--hybrid-events", type=int, default=6000, help="the exchange section's short run")
     ap.add_argument("--keep", action="store_true", help="keep the scratch runs under --work")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rounds, args.sustained_steps, args.hybrid_steps = 1, 4, 40
+        args.rounds, args.sustained_steps = 1, 4
         args.sustained_log_every, args.exchange_files, args.reader_seconds = 2, 5, 2.0
         args.sgemm_n, args.exchange_steps, args.no_exchange_load = 2048, 20, True
         args.peak_seconds = 0.5
