@@ -48,6 +48,7 @@ import tomllib
 # The names of the marks in a group's directory; the sbatch template gets them as placeholders.
 STOP_MARK_NAME = "stop"
 REQUEUE_MARK_NAME = "requeue"
+PLANNED_REQUEUES_NAME = "planned-requeues"  # SLURM: the requeues a group asked for itself
 
 class RunError(ValueError):
     """No such run, or a directory that is not a run."""

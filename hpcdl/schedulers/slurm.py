@@ -20,7 +20,7 @@ from typing import Any
 from hpcdl.config import Job, JobError
 from hpcdl.resources import shipped_dir
 from hpcdl.runs import (
-    REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic,
+    PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic,
 )
 from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
 
@@ -166,6 +166,7 @@ def render_group_script(request: SubmitRequest) -> str:
         "groups_dir": shlex.quote(str(RunDir(request.run.root.resolve()).groups_dir)),
         "stop_mark_name": STOP_MARK_NAME,
         "requeue_mark_name": REQUEUE_MARK_NAME,
+        "planned_requeues_name": PLANNED_REQUEUES_NAME,
     }, GROUP_SCRIPT)
 
 
@@ -376,7 +377,12 @@ class SlurmScheduler(Scheduler):
             write_bytes_atomic(run.cancel_mark, b"")  # no requeue after the cancel's signal
         except OSError:
             pass  # a full disk must not stop the cancel (an element signalled by it may requeue)
-        proc = _run(["scancel", *targets])
+        try:
+            proc = _run(["scancel", *targets])
+        except BaseException:
+            run.cancel_mark.unlink(missing_ok=True)  # not cancelled: later requeues must go on
+            raise
         if proc.returncode != 0 and "already completed" not in proc.stderr and "Invalid job id" not in proc.stderr:
+            run.cancel_mark.unlink(missing_ok=True)
             raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")
         return f"cancelled SLURM jobs {', '.join(targets)}"

@@ -250,4 +250,5 @@ def test_signal_seconds_must_be_less_than_the_time_limit(time_limit, signal_seco
 
 def test_max_restarts_reaches_the_group_script():
     script = SlurmScheduler().submit_dryrun(request(["run.max_restarts=5"])).files["scheduler/group.sbatch"]
-    assert 'if [ "$restarts" -gt 5 ]; then' in script and 'if [ "$restarts" -ge 5 ]; then' in script
+    assert 'if [ "$restarts" -gt 5 ]; then' in script and "run.max_restarts = 5" in script
+    assert 'planned_file="$group_dir/planned-requeues"' in script  # our own requeues, not bounded

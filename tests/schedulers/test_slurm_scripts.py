@@ -154,14 +154,16 @@ def test_cancel_leaves_the_mark_before_scancel(monkeypatch, tmp_path):
     assert seen == [("squeue", False), ("scancel", True)]
 
 
-def test_no_requeue_once_run_max_restarts_is_reached(tmp_path):
+def test_the_groups_own_requeues_at_the_signal_are_not_bounded(tmp_path):
+    """A long run requeues itself at every time limit: run.max_restarts bounds failures only."""
     run, scripts, env = render(tmp_path, "run.max_restarts=2")
-    proc = start(scripts["group"], env, SLURM_RESTART_COUNT="2")
+    (run.group_dir(0) / "planned-requeues").write_text("5\n")
+    proc = start(scripts["group"], env, SLURM_RESTART_COUNT="6")  # 5 planned, 1 after a failure
     wait_for(run.group_dir(0) / "ranks-started")
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 1 and "run.max_restarts = 2" in out, out
-    assert scontrol_calls(run) == []
+    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41"], out
+    assert (run.group_dir(0) / "planned-requeues").read_text().strip() == "6"
 
 
 def test_below_run_max_restarts_the_group_requeues(tmp_path):
@@ -180,3 +182,25 @@ def test_an_element_requeued_beyond_run_max_restarts_does_not_run(tmp_path):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 1 and "more than run.max_restarts = 2" in out, out
     assert not (run.group_dir(0) / "ranks-started").exists()
+
+
+def test_a_failed_scancel_takes_its_cancel_mark_back(monkeypatch, tmp_path):
+    """Otherwise every later warning-signal requeue of the still running job would be skipped."""
+    import pytest
+
+    import hpcdl.schedulers.slurm as slurm
+    from hpcdl.schedulers.base import SchedulerError
+
+    run = RunDir(tmp_path)
+    run.scheduler_dir.mkdir()
+    (run.scheduler_dir / "slurm.json").write_text('{"slurm_array_job_id": "41", "slurm_applier_job_id": null}')
+
+    def fake(cmd, timeout=30.0):
+        if cmd[0] == "squeue":
+            return subprocess.CompletedProcess(cmd, 0, "41_0\n", "")
+        return subprocess.CompletedProcess(cmd, 1, "", "scancel: error: Unable to contact slurm controller")
+
+    monkeypatch.setattr(slurm, "_run", fake)
+    with pytest.raises(SchedulerError, match="scancel failed"):
+        SlurmScheduler().cancel(run)
+    assert not run.cancel_mark.exists()
