@@ -172,12 +172,12 @@ class ExchangeConfig:
         """The applier's rate: the job's, or by default what the hybrid race found (README):
         gradients at the groups' rate / √G (G stale small-batch steps stand for one synchronous
         step of G times the batch); deltas averaged in at twice their mean (outer SGD at 2/G), or
-        DiLoCo's outer Nesterov rate 0.7."""
+        DiLoCo's outer Nesterov rate 0.7; an adaptive outer rule (adam) at the groups' rate."""
         if self.learning_rate:
             return self.learning_rate
         if self.kind == "gradient":
             return train_learning_rate / max(1, groups) ** 0.5
-        return 0.7 if self.optimizer == "nesterov" else 2.0 / max(1, groups)
+        return {"nesterov": 0.7, "sgd": 2.0 / max(1, groups)}.get(self.optimizer, train_learning_rate)
 
     def momentum_delay_for(self, groups: int) -> int:
         return self.momentum_delay or max(1, groups)
@@ -220,6 +220,8 @@ class EmulateConfig:
                 raise JobError(f"emulate.{name} must be a shard number or -1, got {getattr(self, name)}")
         if self.kill_after_s < 0:
             raise JobError(f"emulate.kill_after_s must be >= 0, got {self.kill_after_s}")
+        if self.seed < 0:
+            raise JobError(f"emulate.seed must be >= 0, got {self.seed}")
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,8 @@ class ExchangeSync:
         self.last_exchange: float | None = None
         self.base: Arrays | None = None  # delta: the weights the current local steps began from
         self.grad_sum: Arrays | None = None  # gradient, every > 1: the sum since the last publish
+        self.grad_count = 0  # how many gradients grad_sum holds (fewer than H after a restart)
+        self.interrupt: Callable[[], bool] | None = None  # a stop request ends a wait at once
         self.answered = -1  # the newest seq of ours the applier reports processed
         self._silent_at = None  # after a timeout: `answered` then; no waiting until it moves
         # (base_version, tensors) computed but not yet published (the disk or quota was full)
@@ -126,8 +128,8 @@ class ExchangeSync:
             local = weights()
             update = {n: (self.base[n] - v).astype(self.delta_dtype) for n, v in local.items()}
         elif self.every > 1:
-            update = {n: g / self.every for n, g in self.grad_sum.items()}
-            self.grad_sum = None
+            update = {n: g / self.grad_count for n, g in self.grad_sum.items()}
+            self.grad_sum, self.grad_count = None, 0
         else:
             update = grads()
         self.unpublished.append((self.version, update))
@@ -159,6 +161,8 @@ class ExchangeSync:
             if self._silent_at is not None and self.answered <= self._silent_at:
                 break  # still silent since the last timeout: do not wait again
             self._silent_at = None
+            if self.interrupt is not None and self.interrupt():
+                break  # SLURM's warning signal: checkpoint first, answers can wait
             if time.monotonic() >= deadline:
                 self.reply_timeouts += 1
                 self._silent_at = self.answered
@@ -169,6 +173,7 @@ class ExchangeSync:
         self.wait_seconds += time.monotonic() - start
 
     def _accumulate(self, grads: Arrays) -> None:
+        self.grad_count += 1
         if self.grad_sum is None:
             self.grad_sum = {n: np.array(g, dtype=np.float64 if g.dtype == np.float64 else np.float32)
                              for n, g in grads.items()}

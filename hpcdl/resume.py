@@ -59,7 +59,11 @@ def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executab
     """Validate and render the resumed run; writes nothing."""
     old = run.load_job()
     info = run.info()
-    if get_scheduler(info.get("backend", old.run.backend)).is_active(run):
+    active = get_scheduler(info.get("backend", old.run.backend)).is_active(run)
+    if active is None:  # e.g. SLURM's controller does not answer: a second copy must not start
+        raise JobError(f"cannot tell whether run {run.run_id} is still active (is its scheduler "
+                       "reachable?): not resuming")
+    if active:
         raise JobError(f"run {run.run_id} is still active: `hpcdl cancel {run.run_id}` first, or watch it "
                        "with `hpcdl status`")
     job = load_job(str(run.job_file), overrides)
@@ -107,7 +111,8 @@ def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, A
             target.chmod(0o755)
     run.cancel_mark.unlink(missing_ok=True)
     for g in range(job.run.groups):
-        for mark in (run.stop_mark(g), run.requeue_mark(g)):
+        # a fresh submission restarts SLURM's restart count, so our count of requeues restarts too
+        for mark in (run.stop_mark(g), run.requeue_mark(g), run.planned_requeues_file(g)):
             mark.unlink(missing_ok=True)
         path = run.group_state_file(g)
         try:

@@ -183,6 +183,10 @@ class RunDir:
         """Left by a group's rank 0 that stopped on request after a checkpoint: requeue it."""
         return self.group_dir(group) / REQUEUE_MARK_NAME
 
+    def planned_requeues_file(self, group: int) -> Path:
+        """SLURM: how many times the group requeued itself at the warning signal."""
+        return self.group_dir(group) / PLANNED_REQUEUES_NAME
+
     def emulated_kill_mark(self, group: int) -> Path:
         """Exists once the straggler emulator's planned kill happened in this group."""
         return self.group_dir(group) / "emulated-kill"

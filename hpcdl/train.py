@@ -173,7 +173,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             adopted_now = not exchange or bool(adopt)
             if (validation_due and adopted_now) or current == job.train.steps:
                 validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
-                if exchange:
+                if exchange and adopted_now:  # at the last step, maybe the group's own weights
                     validation["val_master_version"] = sync.stats().get("exchange_version")
                 validation_due = False
 

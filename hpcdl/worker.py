@@ -214,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         # Rank 0's view is enough: the engine spreads it to the group with a collective.
         return stop["requested"] or (hvd.rank() == 0 and stop_mark.exists())
 
+    if sync is not None:
+        sync.interrupt = stop_requested
+
     validate = None
     val = Path(getattr(job.data, "val", "") or "")
     # With an exchange the master weights are scored, once: by group 0's root.

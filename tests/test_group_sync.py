@@ -102,3 +102,23 @@ def test_max_outstanding_two_lets_one_update_stay_unanswered(tmp_path):
     answer(channel, 0, 0)
     sync.after_step(2, lambda: weights(1.0))
     assert time.monotonic() - start < 2.0 and sync.reply_timeouts == 0
+
+
+def test_a_stop_request_ends_the_wait_for_an_answer(tmp_path):
+    channel = Channel(tmp_path / "x", "run", fsync=False)
+    sync = ExchangeSync(channel, group=0, every=1, initial_wait_s=0.1, max_outstanding=1,
+                        reply_timeout_s=30.0)
+    sync.initial_weights(weights(0.0))
+    sync.interrupt = lambda: True  # e.g. SLURM's warning signal arrived
+    start = time.monotonic()
+    sync.after_step(1, lambda: weights(1.0))
+    assert time.monotonic() - start < 1.0 and sync.reply_timeouts == 0
+
+
+def test_gradient_every_h_after_a_restart_divides_by_the_steps_it_summed(tmp_path):
+    channel = Channel(tmp_path / "x", "run", fsync=False)
+    sync = ExchangeSync(channel, group=0, every=4, initial_wait_s=0.1)
+    sync.initial_weights(weights(0.0))
+    sync.after_step(7, lambda: weights(2.0))  # resumed at step 6: steps 7 and 8 before the publish
+    sync.after_step(8, lambda: weights(4.0))
+    assert [float(u.tensors["w"][0]) for u in published(channel)] == [3.0]

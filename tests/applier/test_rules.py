@@ -110,3 +110,11 @@ def test_the_default_applier_rate_follows_the_groups():
     assert ExchangeConfig().applier_learning_rate(1e-3, 4) == pytest.approx(5e-4)  # 1e-3 / √4
     assert ExchangeConfig(kind="delta", optimizer="sgd").applier_learning_rate(1e-3, 8) == 0.25
     assert ExchangeConfig(kind="delta", optimizer="nesterov").applier_learning_rate(1e-3, 8) == 0.7
+
+
+def test_an_adaptive_outer_rule_for_deltas_defaults_to_the_groups_rate_and_a_negative_seed_is_refused():
+    from hpcdl.config import EmulateConfig, ExchangeConfig, JobError
+
+    assert ExchangeConfig(kind="delta", optimizer="adam").applier_learning_rate(1e-3, 2) == 1e-3
+    with pytest.raises(JobError, match="emulate.seed"):
+        EmulateConfig(enabled=True, seed=-1).validate()

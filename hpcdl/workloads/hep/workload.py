@@ -73,8 +73,10 @@ class HepWorkload(Workload):
         predict = tf.function(lambda x: tf.nn.softmax(model(x, training=False))[:, 1], reduce_retracing=True)
         parts: dict[str, list] = {"score": [], "y": [], "w": [], "pass": [], "index": []}
         has_pass = True
+        # a validation subset is read in one small slice, not the job's large chunks
+        window = {} if limit is None else {"chunk_events": max(batch_size, limit), "prefetch": 0}
         for x, y, w, passed, index in hepdata.iter_batches(
-            data, batch_size, norm=norm, shuffle=False, epochs=1, drop_remainder=False
+            data, batch_size, norm=norm, shuffle=False, epochs=1, drop_remainder=False, **window
         ):
             parts["score"].append(predict(x).numpy())
             parts["y"].append(y)
