@@ -93,7 +93,7 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
-    validate_every: int = 0  # steps between validations on data.val (0: none); hybrid: the master
+    validate_every: int = 100  # steps between validations on data.val (0: none); hybrid: the master
     validate_events: int = 1024  # the fixed subset: the first N examples of data.val
 
     def validate(self) -> None:
