@@ -353,8 +353,8 @@ def markdown(summary: dict, target: float) -> str:
                 lo, hi = e["time_to_target_range_s"]
                 t = f"{e['time_to_target_s']:.1f} s" + (f" [{lo:.0f}–{hi:.0f}]" if e["seeds"] > 1 else "")
             else:
-                t = f"not reached in {e['reached']}/{e['seeds']} (best {e['best_auc']:.3f})"
-            ratio = f"**{e['ratio_to_sync']:.2f}×**" if e["ratio_to_sync"] else "-"
+                t = f"reached in {e['reached']} of {e['seeds']} seeds (best {e['best_auc']:.3f})"
+            ratio = f"{e['ratio_to_sync']:.2f}×" if e["ratio_to_sync"] else "-"
             auc = f"{e['auc_at_sync_samples']:.3f}" if e["auc_at_sync_samples"] else "-"
             ups = f"{e['updates_per_s']:.0f}" if e["updates_per_s"] else "-"
             st = f"{e['staleness_mean']:.1f} / {e['staleness_p95']:.0f}" if e["staleness_mean"] is not None else "-"
