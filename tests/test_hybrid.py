@@ -80,7 +80,8 @@ def test_two_groups_of_two_train_through_the_applier(hep_files, tmp_path):
     finish(proc)
     # group 0's root scores the master weights it adopted; group 1 does not score them again
     validated = [m for m in read_jsonl(run_dir / "groups/0/metrics.jsonl") if "val_auc" in m]
-    assert validated and validated[-1]["val_step"] == 40 and validated[-1]["val_master_version"] > 0
+    assert validated and validated[-1]["val_step"] == 40
+    assert any(m.get("val_master_version", 0) > 0 for m in validated)  # scored after an adoption
     assert not [m for m in read_jsonl(run_dir / "groups/1/metrics.jsonl") if "val_auc" in m]
     status = applied_exactly_once(run_dir)
     assert set(status["last_seq"]) == {"0", "1"}  # both groups' updates reached the master
