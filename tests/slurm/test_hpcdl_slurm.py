@@ -201,7 +201,7 @@ def test_the_groups_own_requeues_are_not_bounded_by_run_max_restarts(slurm_clust
                         and s["groups"][0]["state"] == "running" and s["groups"][0]["step"] > first["groups"][0]["step"],
                         timeout=300, what="the group training again after its own requeue")
     assert again["groups"][0]["state"] == "running"
-    assert (run_dir / "groups/0/planned-requeues").read_text().strip() >= "1"
+    assert int((run_dir / "groups/0/planned-requeues").read_text()) >= 1
     hpcdl("cancel", str(run_dir), cwd=tmp_path)
 
 
