@@ -30,6 +30,7 @@ def one_error_line(result, fragment):
     errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and fragment in errors[0], result.output
     assert "Traceback" not in result.output
+    return errors[0]
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_a_malformed_run_file_is_one_line_naming_it(run, command, name, content)
 def test_a_malformed_run_json_under_a_bare_status(run):
     run.info_file.write_bytes(BINARY)
     result = CliRunner().invoke(main, ["status", "--runs-dir", str(run.root.parent)], catch_exceptions=False)
-    one_error_line(result, str(run.info_file))
+    assert "run.json" in one_error_line(result, str(run.info_file))
 
 
 def test_garbled_state_and_metrics_do_not_break_status(run):
@@ -100,7 +101,7 @@ def test_malformed_planner_inputs_are_one_line(tmp_path, content):
     inputs.write_bytes(content)
     result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "8", "--inputs", str(inputs)],
                                 catch_exceptions=False)
-    one_error_line(result, str(inputs))
+    assert str(inputs) in one_error_line(result, str(inputs))
 
 
 @pytest.mark.parametrize("override, field", [
@@ -136,7 +137,7 @@ def test_control_characters_in_the_job_name_are_refused(tmp_path, hep_files):
 def test_data_generate_into_a_directory_that_cannot_be_made(out):
     result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", out, "--events", "10"],
                                 catch_exceptions=False)
-    one_error_line(result, out)
+    assert out in one_error_line(result, out)
 
 
 def test_data_generate_into_a_read_only_directory(tmp_path):
