@@ -98,7 +98,10 @@ class SlurmArrayGone:
         return self.seen >= self.sightings
 
 
-def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None) -> int:
+def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None,
+                  early_signal: Callable[[], int | None] = lambda: None) -> int:
+    """The run's applier until its groups are done; ``early_signal()`` is a stop signal that came
+    while this process was still starting (the supervisor may die, or SLURM warn, at any time)."""
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier
@@ -125,6 +128,9 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
     signal.signal(signal.SIGUSR1, lambda *_: (requeue.update(asked=True), applier.request_stop()))
+    if early_signal() is not None:
+        requeue["asked"] = early_signal() == signal.SIGUSR1
+        applier.request_stop()
 
     def done() -> bool:
         over = groups_finished(run, job.run.groups) or (array_gone is not None and array_gone())
@@ -150,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     # Installed first: SLURM's warning signal may come while TensorFlow is still loading.
     # SIGINT (Ctrl-C) and SIGTERM (a cancel, the supervisor's stop) ask for the same as USR1: the
     # group agrees on a step, checkpoints there and stops -- no KeyboardInterrupt traceback.
-    stop = {"requested": False}
+    stop = {"requested": False, "signal": None}
     for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop_signal, lambda *_: stop.update(requested=True))
+        signal.signal(stop_signal, lambda signum, _: stop.update(requested=True, signal=signum))
     run = RunDir(args.run_dir)
     job = run.load_job()
     os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)
@@ -160,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         return serve_rendezvous(run, job, args.port_file)
     if args.applier:
-        return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None)
+        return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
+                             early_signal=lambda: stop["signal"])
     report = {}
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)

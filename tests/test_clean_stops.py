@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import signal
 import subprocess
 import threading
@@ -133,3 +134,14 @@ def test_a_cancelled_run_stops_the_applier_at_once(hybrid_run):
     assert time.monotonic() - started < 30
     groups = json.loads((run.root / "scheduler/local.json").read_text())["groups"]
     assert [g["state"] for g in groups.values()] == ["cancelled", "cancelled"]
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGTERM, 0), (signal.SIGUSR1, 75)])
+def test_a_stop_signal_while_the_applier_starts_is_not_lost(hybrid_run, signum, code):
+    """The worker's first handler only records a signal; the applier, once built, must honour it
+    (the supervisor killed -9 while its applier was still loading left it running for ever)."""
+    run, _ = hybrid_run
+    script = ("import sys; from hpcdl.runs import RunDir; from hpcdl.worker import serve_applier; from pathlib import Path; "
+              f"run = RunDir(Path(sys.argv[1])); sys.exit(serve_applier(run, run.load_job(), early_signal=lambda: {int(signum)}))")
+    done = subprocess.run([sys.executable, "-c", script, str(run.root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == code, done.stderr[-2000:]

@@ -35,12 +35,22 @@ STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and chec
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
 
 
-def _die_with_parent() -> None:
-    """Linux: a rank gets SIGTERM if its supervisor dies, so no orphan keeps a core busy."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+try:  # loaded here, not in the forked child: a dlopen after fork may deadlock on the loader lock
+    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:
+    _LIBC = None
+
+
+def _die_with(parent: int):
+    """Linux: a child gets SIGTERM if its supervisor dies, so no orphan keeps a core busy."""
+
+    def in_child() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the supervisor died between fork and prctl
+            os._exit(1)
+
+    return in_child
 
 
 def _open_log(path: Path):
@@ -93,7 +103,7 @@ class Supervisor:
             child_env = worker_environ(os.environ, env.to_horovod_env("127.0.0.1", port, iface="lo"))
             gp.procs.append(subprocess.Popen(
                 worker_command(self.python, self.run), env=child_env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
             ))
             log.close()
         gp.state = "running"
@@ -108,7 +118,7 @@ class Supervisor:
         log = _open_log(self.run.applier_log)
         self.applier = subprocess.Popen(
             applier_command(self.python, self.run), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
         )
         log.close()
 
