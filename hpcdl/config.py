@@ -24,6 +24,7 @@ from hpcdl.resources import shipped_dir
 JOBS_DIR = shipped_dir("jobs")
 
 
+MAX_SHARDS = 256  # appliers of one run; far beyond where one file per shard per exchange pays
 BACKEND_CHOICES = ("auto", "local", "slurm")  # auto: SLURM where it answers, else this machine
 
 
@@ -137,6 +138,7 @@ class ExchangeConfig:
     stale_policy: str = "drop"
     keep_versions: int = 3
     max_pending_per_group: int = 16  # twice the applier's batch: a keeping-up applier loses none
+    shards: int | str = 1  # appliers, each owning a byte-balanced part of the tensors; "auto": hpcdl plan's
 
     def validate(self) -> None:
         check_plain_text("exchange.directory", self.directory)
@@ -162,6 +164,10 @@ class ExchangeConfig:
                 raise JobError(f"exchange.{name} must be >= 0, got {getattr(self, name)}")
         if not self.reply_timeout_s > 0:
             raise JobError(f"exchange.reply_timeout_s must be > 0, got {self.reply_timeout_s}")
+        if self.shards != "auto" and (isinstance(self.shards, bool) or not isinstance(self.shards, int)
+                                      or not 1 <= self.shards <= MAX_SHARDS):
+            raise JobError(f"exchange.shards must be an integer from 1 to {MAX_SHARDS}, or \"auto\"; "
+                           f"got {self.shards!r}")
         if self.delta_dtype != "float32" and self.kind != "delta":
             raise JobError("exchange.delta_dtype applies to exchange.kind = \"delta\" only")
 
@@ -178,6 +184,13 @@ class ExchangeConfig:
         if self.kind == "gradient":
             return train_learning_rate / max(1, groups) ** 0.5
         return {"nesterov": 0.7, "sgd": 2.0 / max(1, groups)}.get(self.optimizer, train_learning_rate)
+
+    @property
+    def shard_count(self) -> int:
+        """The appliers of a submitted run (submit resolves "auto")."""
+        if not isinstance(self.shards, int):
+            raise JobError("exchange.shards = \"auto\" is resolved at submit; this job was not submitted")
+        return self.shards
 
     def momentum_delay_for(self, groups: int) -> int:
         return self.momentum_delay or max(1, groups)

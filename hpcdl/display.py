@@ -80,17 +80,24 @@ def status_view(status: Mapping[str, Any]):
         parts.insert(0, warnings)
     applier = status.get("applier")
     if applier is not None:
-        table = Table(title="applier (master weights)", title_justify="left")
-        for column in ("state", "version", "applied", "dropped", "rejected", "backlog", "stale mean/max"):
+        shards = applier.get("shards") or []
+        table = Table(title="applier (master weights)" + (f", {len(shards)} shards" if shards else ""),
+                      title_justify="left")
+        columns = ["state", "version", "applied", "dropped", "rejected", "backlog", "stale mean/max",
+                   "CPU/update"]
+        for column in (["shard"] if shards else []) + columns:
             table.add_column(column, justify="right", no_wrap=True)
-        backend = applier.get("backend") or {}
-        running = backend.get("state") or ("running" if backend.get("running") else "stopped")
-        where = backend.get("nodes") or backend.get("reason")  # SLURM: its node, or why it waits
-        running += f" ({where})" if where else ""
-        table.add_row(running, _num(applier.get("version"), "{}"), _num(applier.get("applied"), "{}"),
-                      _num(applier.get("dropped"), "{}"), _num(applier.get("rejected"), "{}"),
-                      _num(applier.get("backlog"), "{}"),
-                      f"{_num(applier.get('staleness_mean'), '{:.2f}')}/{_num(applier.get('staleness_max'), '{}')}")
+        for row in shards or [applier]:
+            backend = row.get("backend") or {}
+            running = backend.get("state") or ("running" if backend.get("running") else "stopped")
+            where = backend.get("nodes") or backend.get("reason") or row.get("host")  # its node, or why it waits
+            running += f" ({where})" if where else ""
+            cells = [running, _num(row.get("version"), "{}"), _num(row.get("applied"), "{}"),
+                     _num(row.get("dropped"), "{}"), _num(row.get("rejected"), "{}"),
+                     _num(row.get("backlog"), "{}"),
+                     f"{_num(row.get('staleness_mean'), '{:.2f}')}/{_num(row.get('staleness_max'), '{}')}",
+                     _num(row.get("cpu_per_update_s") and row["cpu_per_update_s"] * 1e3, "{:.1f} ms")]
+            table.add_row(*([f"shard {row['shard']}"] if shards else []), *cells)
         parts.append(table)
     t = status["totals"]
     per_node = (t["sustained_flops_per_s"] / t["nodes"]) if t.get("sustained_flops_per_s") else None
@@ -245,6 +252,17 @@ def plan_every_text(plan) -> str:
             f"group's time, mean staleness {a.staleness_mean:.1f} — {a.reason}{again}")
 
 
+def plan_shards_text(plan) -> str:
+    """exchange.shards for the recommended group count."""
+    a = plan.shard_advice
+    verdict = ("the fewest that keep each at most {:.0%} busy".format(plan.max_utilisation) if a.met
+               else "and still above the bound: the per-file costs dominate; raise exchange.every")
+    return (f"exchange.shards = {a.shards} for {a.groups} groups at exchange.every = {a.every}: "
+            f"{a.shard_bytes / 1e6:.2f} MB per update per shard, each applier "
+            f"{100 * a.applier_utilisation:.0f}% busy (one applier: "
+            f"{100 * a.one_applier_utilisation:.0f}%) — {verdict}")
+
+
 def plan_alternative_text(plan) -> str | None:
     """A group count that would do better at its own H, or None."""
     a = plan.alternative
@@ -264,6 +282,8 @@ def plan_view(plan):
             f"(seed {plan.seed})")
     parts = [head, plan_assumptions_table(plan), plan_candidates_table(plan),
              plan_recommendation(plan), plan_every_text(plan)]
+    if plan.shard_advice is not None:
+        parts.append(plan_shards_text(plan))
     alternative = plan_alternative_text(plan)
     if alternative:
         parts.append(alternative)

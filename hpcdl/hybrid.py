@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpcdl.exchange import Channel
+from hpcdl.exchange import Channel, atomic_write_bytes
+from hpcdl.exchange.shards import Partition, PartitionMismatch
 from hpcdl.runs import RunDir
 from hpcdl.storage import StorageReport, is_storage_full, storage_report
 
@@ -48,10 +49,30 @@ INITIAL_WAIT_S = 60.0
 DEFAULT_UNPUBLISHED = 4  # updates kept in memory while publishing fails, without a channel bound
 
 
-def run_channel(run: RunDir, job, *, create: bool = True, **kwargs: Any) -> Channel:
-    """The run's exchange channel: the run's key, the run's access policy."""
-    return Channel(run.exchange_dir(job), run.run_id, create=create, signer=run.signer(),
+def run_channel(run: RunDir, job, *, shard: int = 0, create: bool = True, **kwargs: Any) -> Channel:
+    """Shard ``shard``'s exchange channel: the run's key, the run's access policy."""
+    return Channel(run.shard_dir(job, shard), run.run_id, create=create, signer=run.signer(),
                    access=run.access(job), **kwargs)
+
+
+def record_partition(run: RunDir, job, partition: Partition, *, check_only: bool = False) -> None:
+    """Write the run's partition, or check that the recorded one is this one (one line if not)."""
+    path = run.partition_file(job)
+    try:
+        recorded = Partition.from_json(path.read_bytes())
+    except FileNotFoundError:
+        if check_only:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Every root computes the same partition from the same model and K: a race writes equal bytes.
+        atomic_write_bytes(path, partition.to_json(), access=run.access(job))
+        return
+    except ValueError as exc:
+        raise PartitionMismatch(f"{path}: {exc}") from None
+    if recorded != partition:
+        raise PartitionMismatch(
+            f"this run's exchange is partitioned over {recorded.count} shard(s) of another layout "
+            f"({path}); exchange.shards = {partition.count} and this model do not match it")
 
 
 Arrays = dict[str, np.ndarray]
@@ -59,11 +80,16 @@ REPLY_POLL_S = 0.02
 
 
 class ExchangeSync:
-    def __init__(self, channel: Channel, group: int, every: int, initial_wait_s: float = INITIAL_WAIT_S,
-                 report: StorageReport | None = None, *, kind: str = "gradient",
-                 max_outstanding: int = 0, reply_timeout_s: float = 60.0,
-                 delta_dtype: str = "float32"):
-        self.channel = channel
+    """A group root's exchange with the run's appliers: one channel per shard (exchange.shards),
+    each its own master version; an update is split by the partition, an adoption joins every
+    shard's newest part."""
+
+    def __init__(self, channels: Channel | list[Channel], group: int, every: int,
+                 initial_wait_s: float = INITIAL_WAIT_S, report: StorageReport | None = None, *,
+                 kind: str = "gradient", max_outstanding: int = 0, reply_timeout_s: float = 60.0,
+                 delta_dtype: str = "float32",
+                 on_partition: Callable[[Partition], None] | None = None):
+        self.channels = [channels] if isinstance(channels, Channel) else list(channels)
         self.group = group
         self.every = every
         self.kind = kind
@@ -72,8 +98,12 @@ class ExchangeSync:
         self.delta_dtype = np.dtype(delta_dtype)
         self.initial_wait_s = initial_wait_s
         self.report = report
-        self.version = -1  # master version our weights derive from; -1: our own weights
-        self.seq = channel.next_seq(group)
+        self.on_partition = on_partition  # records the partition in the run (several shards)
+        self.partition: Partition | None = None  # made from the model at initial_weights()
+        shards = len(self.channels)
+        self.versions = [-1] * shards  # each shard's master version our part derives from; -1: ours
+        self.master: list[Arrays | None] = [None] * shards  # each shard's newest part we read
+        self.seq = max(ch.next_seq(group) for ch in self.channels)
         self.published = 0
         self.adopted = 0
         self.seconds = 0.0
@@ -84,31 +114,61 @@ class ExchangeSync:
         self.grad_sum: Arrays | None = None  # gradient, every > 1: the sum since the last publish
         self.grad_count = 0  # how many gradients grad_sum holds (fewer than H after a restart)
         self.interrupt: Callable[[], bool] | None = None  # a stop request ends a wait at once
-        self.answered = -1  # the newest seq of ours the applier reports processed
+        self.answered = -1  # the newest seq of ours every shard reports processed
         self._silent_at = None  # after a timeout: `answered` then; no waiting until it moves
-        # (base_version, tensors) computed but not yet published (the disk or quota was full)
-        self.unpublished: collections.deque[tuple[int, Arrays]] = collections.deque()
+        # (per-shard base versions, update, shards already holding it) not yet fully published
+        self.unpublished: collections.deque[tuple[list[int], Arrays, set[int]]] = collections.deque()
         self.publish_failures = 0
         self.unpublished_dropped = 0
+
+    @property
+    def channel(self) -> Channel:
+        """Shard 0's channel (the only one with exchange.shards = 1)."""
+        return self.channels[0]
+
+    @property
+    def version(self) -> int:
+        """The oldest shard's master version our weights derive from (-1: some part is our own)."""
+        return min(self.versions)
 
     @classmethod
     def for_run(cls, run: RunDir, job, group: int) -> "ExchangeSync":
         x = job.exchange
-        channel = run_channel(run, job, max_pending_per_group=x.max_pending_per_group)
-        return cls(channel, group, x.every, report=storage_report(run.storage_file(group)),
+        channels = [run_channel(run, job, shard=k, max_pending_per_group=x.max_pending_per_group)
+                    for k in range(x.shard_count)]
+        return cls(channels, group, x.every, report=storage_report(run.storage_file(group)),
                    kind=x.kind, max_outstanding=x.max_outstanding,
-                   reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype)
+                   reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype,
+                   on_partition=(lambda p: record_partition(run, job, p)) if x.shard_count > 1 else None)
 
     def initial_weights(self, names_and_values: Arrays) -> Arrays:
         start = time.perf_counter()
-        latest = self.channel.read_latest_weights()
-        if latest is None:
-            latest = self.channel.initial_weights(self.group, names_and_values, timeout=self.initial_wait_s)
+        self.partition = Partition.balanced(names_and_values, len(self.channels))
+        if self.on_partition is not None:
+            self.on_partition(self.partition)
+        own = self.partition.split(names_and_values)
+        for k, ch in enumerate(self.channels):
+            latest = ch.read_latest_weights()
+            if latest is None:
+                ch.propose_initial(self.group, own[k])
+            else:
+                self.versions[k], self.master[k] = latest
+        deadline = time.monotonic() + self.initial_wait_s
+        waiting = [k for k in range(len(self.channels)) if self.master[k] is None]
+        while waiting:
+            for k in list(waiting):
+                latest = self.channels[k].read_latest_weights()
+                if latest is not None:
+                    self.versions[k], self.master[k] = latest
+                    waiting.remove(k)
+            if not waiting or time.monotonic() >= deadline:
+                break  # a shard's applier is not up: that part trains on our own weights
+            time.sleep(0.2)
         self.seconds += time.perf_counter() - start
-        if latest is None:
+        if all(part is None for part in self.master):
             weights = names_and_values  # no applier yet: train on our own weights
         else:
-            self.version, weights = latest
+            weights = self._joined(own)
             self.adopted += 1
             self.last_exchange = time.time()
         self.base = _copy(weights)
@@ -132,28 +192,42 @@ class ExchangeSync:
             self.grad_sum, self.grad_count = None, 0
         else:
             update = grads()
-        self.unpublished.append((self.version, update))
+        self.unpublished.append((list(self.versions), update, set()))
         self.publish_pending()
         if self.max_outstanding:
             self._await_replies()
         adopted = None
-        newest = self.channel.latest_weights_version()
-        if newest is not None and newest > self.version:
-            latest = self.channel.read_latest_weights()
-            if latest is not None and latest[0] > self.version:
-                self.version, adopted = latest
-                self.adopted += 1
+        newer = False
+        for k, ch in enumerate(self.channels):
+            newest = ch.latest_weights_version()
+            if newest is not None and newest > self.versions[k]:
+                latest = ch.read_latest_weights()
+                if latest is not None and latest[0] > self.versions[k]:
+                    self.versions[k], self.master[k] = latest
+                    newer = True
+        if newer:
+            own = None if all(p is not None for p in self.master) else self._split(
+                local if local is not None else weights())
+            adopted = self._joined(own)
+            self.adopted += 1
         if self.kind == "delta":
             self.base = _copy(adopted) if adopted is not None else local
         self.last_exchange = time.time()
         self.seconds += time.perf_counter() - start
         return adopted
 
-    def unanswered(self) -> int:
-        """Published updates of this group that the applier has not processed yet."""
-        self.answered = self.channel.answered_seq(self.group)
-        return max(0, min(self.published, self.seq - 1 - self.answered))
+    def _split(self, tensors: Arrays) -> list[Arrays]:
+        return self.partition.split(tensors) if self.partition is not None else [tensors]
 
+    def _joined(self, own: list[Arrays] | None) -> Arrays:
+        """Every shard's newest master part; our own part for a shard that has none yet."""
+        parts = [m if m is not None else own[k] for k, m in enumerate(self.master)]
+        return self.partition.join(parts) if self.partition is not None else parts[0]
+
+    def unanswered(self) -> int:
+        """Published updates of this group that some shard has not processed yet."""
+        self.answered = min(ch.answered_seq(self.group) for ch in self.channels)
+        return max(0, min(self.published, self.seq - 1 - self.answered))
     def _await_replies(self) -> None:
         start = time.monotonic()
         deadline = start + self.reply_timeout_s
@@ -182,29 +256,26 @@ class ExchangeSync:
                 self.grad_sum[n] += g
 
     def publish_pending(self) -> bool:
-        """Publish the updates kept in memory, oldest first; False if the disk/quota is full.
+        """Publish the updates kept in memory, oldest first, to every shard; False if the
+        disk/quota is full.
 
-        Sequence numbers are given at publish time, so a failed publish leaves no gap.
+        Sequence numbers are given at publish time, so a failed publish leaves no gap; a shard
+        that already holds an update is not sent it again.
         """
         while self.unpublished:
-            base_version, tensors = self.unpublished[0]
-            try:
-                self.channel.publish_update(self.group, self.seq, base_version, tensors)
-            except OSError as exc:
-                if not is_storage_full(exc):
-                    raise
-                self.publish_failures += 1
-                bound = self.channel.max_pending_per_group or DEFAULT_UNPUBLISHED
-                while len(self.unpublished) > bound:
-                    self.unpublished.popleft()
-                    self.unpublished_dropped += 1
-                if self.report is not None:
-                    self.report.failed("exchange publish", exc, path=self.channel.updates_dir,
-                                       detail=f"{len(self.unpublished)} updates held in memory, "
-                                              f"{self.unpublished_dropped} dropped")
-                else:
-                    log.warning("publish failed (%s); %d updates held", exc, len(self.unpublished))
-                return False
+            base_versions, tensors, done = self.unpublished[0]
+            parts = self._split(tensors)
+            for k, ch in enumerate(self.channels):
+                if k in done:
+                    continue
+                try:
+                    ch.publish_update(self.group, self.seq, base_versions[k], parts[k])
+                except OSError as exc:
+                    if not is_storage_full(exc):
+                        raise
+                    self._publish_failed(ch, exc)
+                    return False
+                done.add(k)
             self.unpublished.popleft()
             self.seq += 1
             self.published += 1
@@ -212,15 +283,29 @@ class ExchangeSync:
             self.report.succeeded("exchange publish")
         return True
 
+    def _publish_failed(self, ch: Channel, exc: OSError) -> None:
+        self.publish_failures += 1
+        bound = ch.max_pending_per_group or DEFAULT_UNPUBLISHED
+        while len(self.unpublished) > bound:
+            self.unpublished.popleft()
+            self.unpublished_dropped += 1
+        if self.report is not None:
+            self.report.failed("exchange publish", exc, path=ch.updates_dir,
+                               detail=f"{len(self.unpublished)} updates held in memory, "
+                                      f"{self.unpublished_dropped} dropped")
+        else:
+            log.warning("publish failed (%s); %d updates held", exc, len(self.unpublished))
+
     def stats(self) -> dict[str, Any]:
         return {
             "exchange_kind": self.kind,
             "exchange_version": self.version,
+            **({"exchange_shard_versions": list(self.versions)} if len(self.channels) > 1 else {}),
             "exchange_published": self.published,
             "exchange_adopted": self.adopted,
             "exchange_seconds": self.seconds,
             "exchange_last_s": self.last_exchange,
-            "exchange_backlog_dropped": self.channel.dropped_backlog,
+            "exchange_backlog_dropped": sum(ch.dropped_backlog for ch in self.channels),
             "exchange_publish_failures": self.publish_failures,
             "exchange_unpublished": len(self.unpublished),
             "exchange_unpublished_dropped": self.unpublished_dropped,
@@ -234,17 +319,29 @@ def _copy(tensors: Arrays) -> Arrays:
 
 
 def adopt_master_weights(run: RunDir, job, model) -> int | None:
-    """Load the run's newest master weights into `model`; returns the version, None if none."""
+    """Load the run's newest master weights, every shard's part joined, into `model`; returns
+    the oldest shard's version, None if some shard has none."""
+    variables = dict(model.named_variables())
+    partition = Partition.balanced({n: ((tuple(v.shape)), np.dtype(v.dtype.as_numpy_dtype).str)
+                                    for n, v in variables.items()}, job.exchange.shard_count)
+    if partition.count > 1:
+        record_partition(run, job, partition, check_only=True)  # another layout: refused, not mixed
+    parts, versions = [], []
+    for k in range(partition.count):
+        try:
+            latest = run_channel(run, job, shard=k, create=False).read_latest_weights()
+        except FileNotFoundError:
+            return None
+        if latest is None:
+            return None
+        versions.append(latest[0])
+        parts.append(latest[1])
     try:
-        channel = run_channel(run, job, create=False)
-    except FileNotFoundError:
-        return None
-    latest = channel.read_latest_weights()
-    if latest is None:
-        return None
-    version, tensors = latest
-    for name, var in model.named_variables():
+        tensors = partition.join(parts)
+    except KeyError as exc:
+        raise ValueError(f"master weights v{min(versions)} do not fit this model ({exc})") from None
+    for name, var in variables.items():
         if name not in tensors or tuple(tensors[name].shape) != tuple(var.shape):
-            raise ValueError(f"master weights v{version} do not fit this model ({name})")
+            raise ValueError(f"master weights v{min(versions)} do not fit this model ({name})")
         var.assign(tensors[name])
-    return version
+    return min(versions)

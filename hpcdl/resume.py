@@ -34,6 +34,7 @@ FIXED = {
     "exchange.directory": "the applier's state is in the old exchange directory",
     "exchange.kind": "the applier's state was built for the old kind of update",
     "exchange.optimizer": "the applier's state holds the old rule's slots",
+    "exchange.shards": "each shard's applier state holds its own part of the old partition",
 }
 
 

@@ -119,8 +119,11 @@ class RunDir:
 
     @property
     def applier_log(self) -> Path:
-        """The applier's output on the local backend."""
+        """The applier's output on the local backend (shard 0's, with several shards)."""
         return self.root / "applier.log"
+
+    def shard_applier_log(self, shard: int) -> Path:
+        return self.applier_log if shard == 0 else self.root / f"applier.{shard}.log"
 
     @property
     def supervisor_log(self) -> Path:
@@ -148,7 +151,8 @@ class RunDir:
     def applier_logs(self) -> list[Path]:
         """The applier's log files that exist (local backend, then SLURM's output)."""
         local = [self.applier_log] if self.applier_log.is_file() else []
-        return local + sorted(self.root.glob("applier-*.out"))
+        shards = sorted(self.root.glob("applier.*.log"), key=lambda p: (len(p.name), p.name))
+        return local + shards + sorted(self.root.glob("applier-*.out"))
 
     @property
     def cancel_mark(self) -> Path:
@@ -202,6 +206,18 @@ class RunDir:
 
     def exchange_dir(self, job: Job) -> Path:
         return Path(job.exchange.directory) if job.exchange.directory else self.root / "exchange"
+
+    def shard_dir(self, job: Job, shard: int) -> Path:
+        """Shard k's channel; one applier (exchange.shards = 1) has the exchange directory itself."""
+        root = self.exchange_dir(job)
+        return root if job.exchange.shard_count == 1 else root / f"shard-{shard}"
+
+    def shard_dirs(self, job: Job) -> list[Path]:
+        return [self.shard_dir(job, k) for k in range(job.exchange.shard_count)]
+
+    def partition_file(self, job: Job) -> Path:
+        """Which tensor rows each shard owns, written by the first group root (exchange.shards > 1)."""
+        return self.exchange_dir(job) / "partition.json"
 
     def groups(self) -> list[int]:
         base = self.root / "groups"

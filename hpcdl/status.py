@@ -89,12 +89,14 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             entry["last_error"] = last_error(logs)
     applier = None
     if job.exchange.active(job.run.groups):
-        applier = _applier_summary(_read_json(run.exchange_dir(job) / "applier" / "status.json") or {})
-        applier["backend"] = backend_view.get("applier")
+        applier = _appliers_summary(run, job, backend_view.get("applier"))
         for entry in groups:
-            per_group = applier["groups"].get(str(entry["group"]), {})
-            entry["staleness_mean"] = per_group.get("staleness_mean")
-            entry["staleness_max"] = per_group.get("staleness_max")
+            # staleness is measured per shard: the group's worst
+            per_shard = [row["groups"].get(str(entry["group"]), {}) for row in applier.get("shards") or [applier]]
+            means = [p["staleness_mean"] for p in per_shard if p.get("staleness_mean") is not None]
+            maxima = [p["staleness_max"] for p in per_shard if p.get("staleness_max") is not None]
+            entry["staleness_mean"] = max(means) if means else None
+            entry["staleness_max"] = max(maxima) if maxima else None
     storage = _storage_warnings(run, job, groups, applier is not None)
     totals = {
         # running groups' rates; once none runs, the rates they last reported
@@ -129,7 +131,9 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
     sources = [(f"group {g['group']}", run.storage_file(g["group"])) for g in groups]
     sources.append(("supervisor", run.supervisor_storage_file))
     if exchange:
-        sources.append(("applier", run.exchange_dir(job) / "applier" / REPORT_FILE))
+        shards = run.shard_dirs(job)
+        for k, d in enumerate(shards):
+            sources.append(("applier" if len(shards) == 1 else f"applier shard {k}", d / "applier" / REPORT_FILE))
     out = []
     for where, path in sources:
         report = read_report(path)
@@ -172,6 +176,25 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
     return out
 
 
+def _appliers_summary(run: RunDir, job, backend: dict[str, Any] | None) -> dict[str, Any]:
+    """One applier's summary; with several shards, their totals and one row per shard."""
+    rows = [_applier_summary(_read_json(d / "applier" / "status.json") or {}) for d in run.shard_dirs(job)]
+    if len(rows) == 1:
+        return {**rows[0], "backend": backend}
+    on_backend = (backend or {}).get("shards") or []
+    for k, row in enumerate(rows):
+        row["shard"] = k
+        # local: each shard's process; SLURM: the one job that holds every shard
+        row["backend"] = next((b for b in on_backend if b.get("shard") == k), backend)
+    total = {key: _sum(r[key] for r in rows) for key in ("applied", "dropped", "downweighted", "rejected", "backlog")}
+    versions = [r["version"] for r in rows if r["version"] is not None]
+    maxima = [r["staleness_max"] for r in rows if r["staleness_max"] is not None]
+    return {**total, "phase": rows[0]["phase"], "version": min(versions) if len(versions) == len(rows) else None,
+            "staleness_mean": max((r["staleness_mean"] for r in rows if r["staleness_mean"] is not None), default=None),
+            "staleness_max": max(maxima) if maxima else None, "last_apply_age_s": None, "groups": {},
+            "backend": backend, "shards": rows}
+
+
 def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
     """The applier's status.json (see hpcdl.applier), flattened for the status screen."""
     counts = raw.get("counts", {})
@@ -188,6 +211,8 @@ def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "staleness_max": staleness.get("max"),
         "last_apply_age_s": time.time() - raw["last_apply_time"] if raw.get("last_apply_time") else None,
         "groups": raw.get("groups", {}),
+        "host": raw.get("host"),
+        "cpu_per_update_s": raw.get("cpu_per_update_s"),
     }
 
 

@@ -44,6 +44,11 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
         note = f"backend: {backend} ({why}; --backend chooses)"
         if on_note:
             on_note(note)
+    if job.exchange.shards == "auto":
+        job, shards_note = resolve_shards(job)
+        note = "; ".join(n for n in (note, shards_note) if n)
+        if on_note:
+            on_note(shards_note)
     scheduler = get_scheduler(job.run.backend)
     if cluster is None:
         cluster = scheduler.cluster_facts()
@@ -52,6 +57,31 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     if job.run.check_data:  # on both backends: a missing file would fail every SLURM element
         get_workload(job.workload).check_data(job)
     return Prepared(job, scheduler, dryrun, note)
+
+
+# exchange.shards = "auto" at submit: the planner's rule without a measurement (`hpcdl plan`
+# measures this machine); the node rate is the paper's Xeon Phi figure, said in the note.
+AUTO_SHARDS_NODE_FLOPS = 1.9e12
+
+
+def resolve_shards(job: Job) -> tuple[Job, str]:
+    """exchange.shards = "auto": the planner's recommendation for this job's groups and H."""
+    from hpcdl.perf.planner import PlanInputs, job_exchange_values, recommend_shards
+
+    groups = job.run.groups
+    if not job.exchange.active(groups):
+        shards, why = 1, "no exchange"
+    else:
+        inputs = PlanInputs.measured_here(
+            AUTO_SHARDS_NODE_FLOPS, batch_per_node=job.train.batch_per_rank * job.run.ranks_per_node,
+            model=job.model if job.workload == "hep" else None,
+            source="exchange.shards = \"auto\"").with_values("the job", **job_exchange_values(job.exchange))
+        advice = recommend_shards(inputs, job.run.nodes, groups)
+        shards = advice.shards
+        why = (f"each applier {advice.applier_utilisation:.0%} busy by hpcdl plan's model at an assumed "
+               f"{AUTO_SHARDS_NODE_FLOPS / 1e12:g} TFLOP/s per node; `hpcdl plan` measures")
+    job = job.replace(exchange=dataclasses.replace(job.exchange, shards=shards))
+    return job, f"exchange.shards: {shards} ({why})"
 
 
 RUN_ID_ATTEMPTS = 8

@@ -99,9 +99,10 @@ class SlurmArrayGone:
 
 
 def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None,
-                  early_signal: Callable[[], int | None] = lambda: None) -> int:
-    """The run's applier until its groups are done; ``early_signal()`` is a stop signal that came
-    while this process was still starting (the supervisor may die, or SLURM warn, at any time)."""
+                  early_signal: Callable[[], int | None] = lambda: None, shard: int = 0) -> int:
+    """Shard ``shard``'s applier until the run's groups are done; ``early_signal()`` is a stop
+    signal that came while this process was still starting (the supervisor may die, or SLURM
+    warn, at any time)."""
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier
@@ -110,7 +111,9 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     x = job.exchange
     try:
-        channel = run_channel(run, job)  # the run's key and access policy
+        if not 0 <= shard < x.shard_count:
+            raise ValueError(f"shard {shard}: this run has exchange.shards = {x.shard_count}")
+        channel = run_channel(run, job, shard=shard)  # the run's key and access policy
     except ValueError as exc:  # RunError: no sound run.key
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 1
@@ -149,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--rendezvous", action="store_true", help="serve a SLURM group's rendezvous")
     mode.add_argument("--applier", action="store_true", help="run the exchange's applier")
     parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
+    parser.add_argument("--shard", type=int, default=0, help="with --applier: which shard (exchange.shards)")
     parser.add_argument("--slurm-array", action="store_true",
                         help="with --applier: also stop once SLURM holds no element of the group array")
     args = parser.parse_args(argv)
@@ -167,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve_rendezvous(run, job, args.port_file)
     if args.applier:
         return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
-                             early_signal=lambda: stop["signal"])
+                             early_signal=lambda: stop["signal"], shard=args.shard)
     report = {}
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)

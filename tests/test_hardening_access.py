@@ -234,6 +234,7 @@ def test_adopt_master_weights_needs_the_run_key(tmp_path):
     class Var:
         def __init__(self, a):
             self.shape, self.value = a.shape, None
+            self.dtype = type("DType", (), {"as_numpy_dtype": a.dtype.type})  # like tf.DType
 
         def assign(self, v):
             self.value = v

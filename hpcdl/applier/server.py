@@ -269,6 +269,7 @@ class Applier:
         self.status_interval = status_interval
         self._initial = dict(initial) if initial is not None else None
         self._stop = False
+        self.cpu_seconds, self.cpu_updates = 0.0, 0  # this process's, since it started
         self._crash = _parse_crash_spec(os.environ.get(CRASH_ENV))
         self._crash_hits = 0
         self._last_status = 0.0
@@ -311,6 +312,7 @@ class Applier:
         refs = self.ch.pending_updates()
         if not refs:
             return 0
+        cpu = time.process_time()
         batch = _Batch()
         for ref in refs[: self.max_batch]:
             if self._stop:
@@ -318,6 +320,9 @@ class Applier:
             self._process(ref, batch)
         if batch.handled:
             self._commit(batch)
+            # what one update costs this process, the weights' publish and the commit included
+            self.cpu_seconds += time.process_time() - cpu
+            self.cpu_updates += batch.handled
         return batch.handled
 
     def run(
@@ -746,6 +751,7 @@ class Applier:
                            "staleness_mean": gs["sum"] / gs["count"] if gs["count"] else None}
                        for g, gs in sorted(self.group_staleness.items(), key=lambda kv: int(kv[0]))},
             "processed": len(self.ledger), "pid": os.getpid(), "host": socket.gethostname(),
+            "cpu_per_update_s": self.cpu_seconds / self.cpu_updates if self.cpu_updates else None,
             "updated": time.time(),
         }
 

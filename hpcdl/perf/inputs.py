@@ -42,6 +42,7 @@ FIELDS: tuple[InputField, ...] = (
     InputField("exchange_bandwidth", "bytes/s", "exchange medium bandwidth per client (W)"),
     InputField("applier_bytes_per_s", "bytes/s", "applier's optimizer throughput (A)"),
     InputField("applier_max_batch", "updates", "updates applied per weights publish"),
+    InputField("exchange_shards", "appliers", "appliers the tensors are partitioned over (S)"),
     InputField("max_pending_per_group", "updates (0: no bound)", "backlog bound per group"),
     InputField("max_staleness", "versions (-1: none)", "updates staler than this are dropped"),
 )
@@ -80,6 +81,7 @@ class PlanInputs:
     exchange_bandwidth: float = 1e9
     applier_bytes_per_s: float = 1e9
     applier_max_batch: int = 8
+    exchange_shards: int = 1
     max_pending_per_group: int = 4
     max_staleness: int = 16
     label: str = "custom"
@@ -94,7 +96,7 @@ class PlanInputs:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        for name in ("batch_per_node", "exchange_every", "applier_max_batch"):
+        for name in ("batch_per_node", "exchange_every", "applier_max_batch", "exchange_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name, choices in (("exchange_kind", EXCHANGE_KINDS), ("delta_dtype", DELTA_DTYPES)):
@@ -229,28 +231,32 @@ class PlanInputs:
 
     @property
     def transfer_seconds(self) -> float:
-        """λ + n/W: one exchange transfer of the (fp32) master weights."""
-        return self.exchange_latency + self.model_bytes / self.exchange_bandwidth
+        """S·λ + n/W: a group root reads the (fp32) master weights, one file per shard."""
+        return self.exchange_shards * self.exchange_latency + self.model_bytes / self.exchange_bandwidth
 
     @property
     def update_transfer_seconds(self) -> float:
-        """λ + u/W: one exchange transfer of an update (u = update_bytes)."""
-        return self.exchange_latency + self.update_bytes / self.exchange_bandwidth
+        """S·λ + u/W: a group root publishes an update (u = update_bytes), one file per shard."""
+        return self.exchange_shards * self.exchange_latency + self.update_bytes / self.exchange_bandwidth
 
     @property
     def apply_seconds(self) -> float:
-        """n/A: the applier's optimizer over every parameter, whatever the wire dtype."""
-        return self.model_bytes / self.applier_bytes_per_s
+        """n/(S·A): one shard's optimizer over its parameters, whatever the wire dtype."""
+        return self.model_bytes / self.exchange_shards / self.applier_bytes_per_s
 
     def applier_batch_seconds(self, updates: int, applied: int | None = None) -> float:
-        """Applier busy time for one batch: read each, apply those not dropped, publish once.
+        """One shard's busy time for one batch: read each, apply those not dropped, publish once
+        (every shard sees every update, each 1/S of it).
 
         A waiting group (K ≥ 1) needs an answer even when its update was dropped, so the new
         weights are published then too.
         """
         applied = updates if applied is None else applied
-        publish = self.transfer_seconds if (applied > 0 or self.waits_for_replies) else 0.0
-        return updates * self.update_transfer_seconds + applied * self.apply_seconds + publish
+        shard = self.exchange_shards
+        read = self.exchange_latency + self.update_bytes / shard / self.exchange_bandwidth
+        publish = (self.exchange_latency + self.model_bytes / shard / self.exchange_bandwidth
+                   if (applied > 0 or self.waits_for_replies) else 0.0)
+        return updates * read + applied * self.apply_seconds + publish
 
     @property
     def applier_seconds_per_update(self) -> float:
@@ -328,6 +334,7 @@ PAPER_CORI_HEP: dict[str, tuple[Any, str]] = {
     "exchange_bandwidth": (8e9, "parameter server over Aries: MPI bandwidth"),
     "applier_bytes_per_s": (4e9, "ASSUMED: SGD update on one KNL node (memory-bound)"),
     "applier_max_batch": (1, "a parameter server replies to each group"),
+    "exchange_shards": (1, "ASSUMED: the paper does not give its server-rank count; one here"),
     "max_pending_per_group": (0, "one outstanding update per group (blocking)"),
     "max_staleness": (-1, "paper: no staleness bound"),
 }
@@ -351,6 +358,7 @@ HPCDL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "exchange_bandwidth": (1e9, _GENERIC),
     "applier_bytes_per_s": (1e9, _GENERIC),
     "applier_max_batch": (8, _HPCDL),
+    "exchange_shards": (1, _HPCDL),
     "max_pending_per_group": (4, _HPCDL),
     "max_staleness": (16, _HPCDL),
 }
@@ -364,6 +372,7 @@ JOB_EXCHANGE_FIELDS: dict[str, str] = {
     "max_staleness": "max_staleness",
     "stale_policy": "max_staleness",
     "max_pending_per_group": "max_pending_per_group",
+    "shards": "exchange_shards",
 }
 
 
@@ -378,6 +387,8 @@ def job_exchange_values(exchange: Any, fields: Sequence[str] | None = None) -> d
         if JOB_EXCHANGE_FIELDS[name] == "max_staleness":
             downweight = exchange.stale_policy == "downweight"
             values["max_staleness"] = -1 if downweight else exchange.max_staleness
+        elif name == "shards" and exchange.shards == "auto":
+            continue  # the planner recommends it (recommend_shards)
         else:
             values[JOB_EXCHANGE_FIELDS[name]] = getattr(exchange, name)
     return values
@@ -410,7 +421,10 @@ def with_job_exchange(inputs: PlanInputs, job_name: str, overrides: Sequence[str
     sourced: dict[str, tuple[Any, str]] = {}
     for name in fields:
         target = JOB_EXCHANGE_FIELDS[name]
-        value = job_exchange_values(job.exchange, [name])[target]
+        found = job_exchange_values(job.exchange, [name])
+        if target not in found:
+            continue  # exchange.shards = "auto": what the plan recommends
+        value = found[target]
         overridden = [f for f in given if JOB_EXCHANGE_FIELDS[f] == target]
         source = (f"--set exchange.{overridden[-1]}" if overridden
                   else f"{origin}: exchange.{name}")

@@ -47,6 +47,7 @@ from hpcdl.perf.recommend import (
     PAPER_HEP_WORKERS,
     RULE,
     EveryAdvice,
+    ShardAdvice,
     GroupPlan,
     Plan,
     applier_utilisation,
@@ -57,6 +58,7 @@ from hpcdl.perf.recommend import (
     plan,
     recommend,
     recommend_every,
+    recommend_shards,
     smallest_every,
 )
 from hpcdl.perf.simulate import ExchangeSim, Update, simulate_exchange
@@ -66,8 +68,8 @@ __all__ = [
     "InputField", "PlanInputs", "job_exchange_values", "with_job_exchange", "allreduce_seconds", "hep_network",
     "norm_ppf", "sample_slowest", "tree_collective_seconds", "tree_rounds",
     "MAX_APPLIER_UTILISATION", "MAX_EXCHANGE_SHARE", "PAPER_HEP_GROUPS", "PAPER_HEP_PEAK_FLOPS",
-    "PAPER_HEP_SUSTAINED_FLOPS", "PAPER_HEP_WORKERS", "RULE", "EveryAdvice", "GroupPlan", "Plan",
+    "PAPER_HEP_SUSTAINED_FLOPS", "PAPER_HEP_WORKERS", "RULE", "EveryAdvice", "ShardAdvice", "GroupPlan", "Plan",
     "applier_utilisation", "default_candidates", "evaluate", "exchange_share", "paper_check",
-    "plan", "recommend", "recommend_every", "smallest_every", "ExchangeSim", "Update",
+    "plan", "recommend", "recommend_every", "recommend_shards", "smallest_every", "ExchangeSim", "Update",
     "simulate_exchange",
 ]

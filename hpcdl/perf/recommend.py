@@ -150,6 +150,7 @@ class Plan:
     recommended: int | None  # group count, None if no candidate is feasible
     every_advice: EveryAdvice | None = None  # for the recommended group count (> 1)
     alternative: GroupPlan | None = None  # another group count at its own H that does better
+    shard_advice: "ShardAdvice | None" = None  # appliers for the recommended count at its H
     max_utilisation: float = MAX_APPLIER_UTILISATION
     max_exchange_share: float = MAX_EXCHANGE_SHARE
 
@@ -178,6 +179,7 @@ class Plan:
             "every_rule": self.every_rule,
             "every_advice": self.every_advice.to_dict() if self.every_advice else None,
             "alternative": self.alternative.to_dict() if self.alternative else None,
+            "shard_advice": self.shard_advice.to_dict() if self.shard_advice else None,
             "candidates": [c.to_dict() for c in self.candidates],
         }
 
@@ -405,8 +407,48 @@ def plan(inputs: PlanInputs, nodes: int, candidates: Sequence[int] | None = None
         advice = recommend_every(inputs, nodes, chosen, **kw,
                                  known=next(c for c in results if c.groups == chosen))
     alternative = better_at_own_every(inputs, nodes, results, chosen, **kw)
+    shards = None
+    if chosen is not None and chosen > 1:
+        at_every = dataclasses.replace(inputs, exchange_every=advice.every) if advice and advice.met else inputs
+        shards = recommend_shards(at_every, nodes, chosen, seed=seed, max_utilisation=max_utilisation)
     return Plan(inputs, nodes, seed, staleness_bound, results, chosen, advice, alternative,
-                max_utilisation, max_exchange_share)
+                max_utilisation, max_exchange_share, shards)
+
+
+@dataclass(frozen=True)
+class ShardAdvice:
+    """The fewest appliers (exchange.shards) that keep each one at most `max_utilisation` busy."""
+
+    groups: int
+    every: int
+    shards: int
+    applier_utilisation: float  # of each shard, at `shards`
+    one_applier_utilisation: float  # of a single applier, for comparison
+    shard_bytes: float  # of one update, per shard
+    met: bool  # False: even MAX_SHARDS appliers are busier than the bound (per-file costs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+MAX_SHARDS = 64  # the largest exchange.shards the advice tries
+
+
+def recommend_shards(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
+                     max_utilisation: float = MAX_APPLIER_UTILISATION) -> ShardAdvice:
+    """Simulate S = 1, 2, ... appliers (each sees every update, 1/S of its bytes) and take the
+    fewest whose utilisation is at most `max_utilisation` (the H rule's bound, for the same
+    reason): more shards cost every group root one file operation more per exchange."""
+    first = None
+    for count in range(1, MAX_SHARDS + 1):
+        at = dataclasses.replace(inputs, exchange_shards=count)
+        c = evaluate(at, nodes, groups, seed=seed)
+        first = first or c
+        met = c.applier_utilisation <= max_utilisation
+        if met or count == MAX_SHARDS:
+            return ShardAdvice(groups, inputs.exchange_every, count, c.applier_utilisation,
+                               first.applier_utilisation, at.update_bytes / count, met)
+    raise AssertionError("unreachable")
 
 
 def paper_check(seed: int = 0, inputs: PlanInputs | None = None) -> dict[str, Any]:

@@ -62,8 +62,9 @@ def worker_command(python: str, run: RunDir) -> list[str]:
     return [python, "-m", "hpcdl.worker", str(run.root)]
 
 
-def applier_command(python: str, run: RunDir) -> list[str]:
-    return [python, "-m", "hpcdl.worker", str(run.root), "--applier"]
+def applier_command(python: str, run: RunDir, shard: int = 0) -> list[str]:
+    return [python, "-m", "hpcdl.worker", str(run.root), "--applier"] + (
+        ["--shard", str(shard)] if shard else [])
 
 
 @dataclass
@@ -85,8 +86,9 @@ class Supervisor:
         self.job = run.load_job()
         self.python = python
         self.groups = {g: GroupProcs(g) for g in range(self.job.run.groups)}
-        self.applier: subprocess.Popen | None = None
-        self.applier_restarts = 0
+        # one applier per shard of the exchange (exchange.shards); none without an exchange
+        self.appliers: list[subprocess.Popen | None] = []
+        self.applier_restarts: list[int] = []
         self.stopping = False
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
@@ -114,13 +116,16 @@ class Supervisor:
             gp.rendezvous.stop()
             gp.rendezvous = None
 
-    def _start_applier(self) -> None:
-        log = _open_log(self.run.applier_log)
-        self.applier = subprocess.Popen(
-            applier_command(self.python, self.run), stdout=log, stderr=subprocess.STDOUT,
+    def _start_applier(self, shard: int) -> None:
+        log = _open_log(self.run.shard_applier_log(shard))
+        self.appliers[shard] = subprocess.Popen(
+            applier_command(self.python, self.run, shard), stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
         )
         log.close()
+
+    def _running_appliers(self) -> list[subprocess.Popen]:
+        return [a for a in self.appliers if a is not None and a.poll() is None]
 
     # -- the loop --------------------------------------------------------------------------
     def poll(self) -> bool:
@@ -148,10 +153,11 @@ class Supervisor:
                         gp.state = "pending"
                         gp.next_start = now + BACKOFF_S[min(gp.restarts - 1, len(BACKOFF_S) - 1)]
         active = any(gp.state in ("pending", "running") for gp in self.groups.values())
-        if self.applier is not None and self.applier.poll() not in (None, 0) and active:
-            if self.applier_restarts < self.job.run.max_restarts * 3:
-                self.applier_restarts += 1
-                self._start_applier()
+        for shard, applier in enumerate(self.appliers):
+            if applier is not None and applier.poll() not in (None, 0) and active:
+                if self.applier_restarts[shard] < self.job.run.max_restarts * 3:
+                    self.applier_restarts[shard] += 1
+                    self._start_applier(shard)
         self.publish()
         return active
 
@@ -167,16 +173,21 @@ class Supervisor:
                          "exit_codes": gp.exit_codes}
                 for g, gp in self.groups.items()
             },
-            "applier": None if self.applier is None else {
-                "pid": self.applier.pid, "running": self.applier.poll() is None,
-                "restarts": self.applier_restarts,
+            "applier": None if not self.appliers else {
+                "pid": self.appliers[0].pid, "running": bool(self._running_appliers()),
+                "restarts": sum(self.applier_restarts),
+                "shards": [{"shard": k, "pid": a.pid, "running": a.poll() is None,
+                            "restarts": self.applier_restarts[k]} for k, a in enumerate(self.appliers)],
             },
         })
 
     def run_until_done(self, on_tick: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
         """Run everything to the end; True if every group finished."""
         if self.job.exchange.active(self.job.run.groups):
-            self._start_applier()
+            shards = self.job.exchange.shard_count
+            self.appliers, self.applier_restarts = [None] * shards, [0] * shards
+            for shard in range(shards):
+                self._start_applier(shard)
         try:
             while self.poll() and not self.stopping:
                 if on_tick:
@@ -195,8 +206,7 @@ class Supervisor:
         hpcdl.worker.serve_applier), so let it, rather than stop it with updates pending (it may
         be waiting out a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
         deadline = time.monotonic() + APPLIER_DRAIN_S
-        while (self.applier is not None and self.applier.poll() is None and not self.stopping
-               and time.monotonic() < deadline):
+        while self._running_appliers() and not self.stopping and time.monotonic() < deadline:
             self.publish()
             time.sleep(interval)
 
@@ -207,9 +217,8 @@ class Supervisor:
         for gp in stopping:
             self._stop_group(gp)
             gp.state = "cancelled"
-        if self.applier is not None:
-            # The applier drains what is already published, then exits on SIGTERM.
-            _terminate([self.applier], grace=30.0)
+        # The appliers commit the update in progress, then exit on SIGTERM.
+        _terminate(self._running_appliers(), grace=30.0)
         self.publish()
         self.storage.close()
 
@@ -275,7 +284,7 @@ class LocalScheduler(Scheduler):
         check_capacity(job, request.cluster)
         commands = []
         if job.exchange.active(job.run.groups):
-            commands.append(applier_command(request.python, run))
+            commands += [applier_command(request.python, run, k) for k in range(job.exchange.shard_count)]
         for g in range(job.run.groups):
             for env in local_group(g, job.run.ranks_per_group):
                 hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
@@ -321,7 +330,11 @@ class LocalScheduler(Scheduler):
         applier = state.get("applier")
         if isinstance(applier, dict) and applier.get("running"):
             # The record may be stale (a supervisor killed -9 writes nothing more): ask the system.
-            applier["running"] = _pid_runs(applier.get("pid"), run.run_id)
+            shards = [s for s in applier.get("shards") or [] if isinstance(s, dict)]
+            for shard in shards:
+                shard["running"] = bool(shard.get("running")) and _pid_runs(shard.get("pid"), run.run_id)
+            applier["running"] = (any(s["running"] for s in shards) if shards
+                                  else _pid_runs(applier.get("pid"), run.run_id))
         return state
 
     def is_active(self, run: RunDir) -> bool:

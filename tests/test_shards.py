@@ -1,0 +1,208 @@
+"""The exchange sharded by tensor over several appliers (exchange.shards)."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpcdl.config import load_job
+from hpcdl.exchange import Channel
+from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
+from hpcdl.hybrid import ExchangeSync, record_partition
+from hpcdl.runs import create_run, read_jsonl
+from tests.conftest import HPCDL, set_args, tiny_overrides
+
+F4 = "<f4"
+
+
+def shapes(**named):
+    return {n: (s, F4) for n, s in named.items()}
+
+
+# -- the partition -------------------------------------------------------------------------------
+def test_one_shard_holds_every_tensor_whole():
+    p = Partition.balanced(shapes(a=(3, 4), b=(5,)), 1)
+    assert p.shards == ((Piece("a"), Piece("b")),)
+
+
+def test_shards_are_balanced_by_bytes_and_a_big_tensor_is_split_by_rows():
+    # 4 KB + 400 B + 40 KB: an even share is ~14.8 KB, so only the big tensor is cut
+    p = Partition.balanced(shapes(conv=(1000,), bias=(100,), fc=(100, 100)), 3)
+    sizes = p.shard_bytes()
+    assert sum(sizes) == 4000 + 400 + 40000
+    assert max(sizes) - min(sizes) <= 400  # within one row of the big tensor
+    assert [pc for pcs in p.shards for pc in pcs if pc.tensor == "conv"] == [Piece("conv")]
+    assert all(pc.stop is not None for pcs in p.shards for pc in pcs if pc.tensor == "fc")
+
+
+def test_a_cut_near_a_tensor_edge_keeps_the_tensor_whole():
+    # two tensors of 1000 and 1040 bytes over 2 shards: the share (1020) falls 2 % inside the second
+    p = Partition.balanced(shapes(a=(250,), b=(260,)), 2)
+    assert p.shards == ((Piece("a"),), (Piece("b"),))
+
+
+def test_split_and_join_are_inverse_and_split_makes_views():
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((7, 3, 2)).astype(np.float32),
+               "b": rng.standard_normal(5).astype(np.float32),
+               "s": np.float32(2.5) * np.ones((), np.float32)}
+    for count in (1, 2, 3, 4):
+        p = Partition.balanced(tensors, count)
+        parts = p.split(tensors)
+        assert len(parts) == count and all(parts)
+        joined = p.join(parts)
+        assert set(joined) == set(tensors)
+        for name in tensors:
+            np.testing.assert_array_equal(joined[name], tensors[name])
+        for pieces, part in zip(p.shards, parts):
+            for piece in pieces:
+                if piece.tensor != "s":  # a numpy scalar (TensorFlow's for a scalar variable) is a value
+                    assert np.shares_memory(part[piece.key], tensors[piece.tensor])
+
+
+def test_more_shards_than_the_model_has_rows_is_refused():
+    with pytest.raises(ValueError, match="cannot give every shard"):
+        Partition.balanced(shapes(a=(2,), b=()), 4)
+
+
+def test_a_recorded_partition_round_trips_and_a_tampered_one_is_refused():
+    p = Partition.balanced(shapes(w=(10, 4), b=(4,)), 2)
+    assert Partition.from_json(p.to_json()) == p
+    doc = json.loads(p.to_json())
+    doc["shards"][0][0][2] -= 1  # a row of w in no shard
+    with pytest.raises(ValueError, match="covered exactly once"):
+        Partition.from_json(json.dumps(doc).encode())
+    for bad in (b"", b"\x80\x04pickle", b"[]", b'{"format": 2}'):
+        with pytest.raises(ValueError, match="not an hpcdl partition"):
+            Partition.from_json(bad)
+
+
+def test_the_run_keeps_its_partition_and_refuses_another(tmp_path):
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"', "exchange.shards=2"])
+    with create_run(job, "local") as (_, run):
+        pass
+    two = Partition.balanced(shapes(w=(10, 4), b=(4,)), 2)
+    record_partition(run, job, two)
+    record_partition(run, job, two)  # the same one again: fine (every group root records it)
+    with pytest.raises(PartitionMismatch, match="partitioned over 2 shard"):
+        record_partition(run, job, Partition.balanced(shapes(w=(10, 4), b=(4,)), 3))
+    with pytest.raises(PartitionMismatch, match="partitioned over 2 shard"):
+        record_partition(run, job, Partition.balanced(shapes(w=(12, 4), b=(4,)), 2))
+
+
+# -- a group root against two shards --------------------------------------------------------------
+def test_a_group_root_publishes_each_shard_its_part_and_adopts_each_shards_newest(tmp_path):
+    channels = [Channel(tmp_path / f"shard-{k}", "run") for k in range(2)]
+    sync = ExchangeSync(channels, group=3, every=1, initial_wait_s=0.1)
+    mine = {"w": np.zeros((4, 2), np.float32), "b": np.zeros(4, np.float32)}
+    sync.initial_weights(mine)
+    split = sync.partition.split(mine)
+    assert [set(p) for p in split] == [{"w@0:3"}, {"w@3:4", "b"}]  # 32 B + 16 B, cut inside w
+    channels[0].publish_weights(7, {"w@0:3": np.ones((3, 2), np.float32)})
+
+    grads = {"w": np.full((4, 2), 2.0, np.float32), "b": np.full(4, 3.0, np.float32)}
+    adopted = sync.after_step(1, lambda: grads, lambda: mine)
+    # shard 0's part is the master's; shard 1 has no version yet, so that part stays ours
+    np.testing.assert_array_equal(adopted["w"][:3], 1.0)
+    np.testing.assert_array_equal(adopted["w"][3:], 0.0)
+    assert sync.versions == [7, -1] and sync.version == -1
+
+    for k, ch in enumerate(channels):
+        (ref,) = ch.pending_updates()
+        update = ch.read_update(ref)
+        assert (update.group, update.seq) == (3, 0)
+        assert update.base_version == -1  # the update was computed before the adoption
+        assert set(update.tensors) == set(split[k])
+    channels[1].publish_weights(2, {"w@3:4": np.full((1, 2), 5.0, np.float32), "b": np.full(4, 6.0, np.float32)})
+    adopted = sync.after_step(2, lambda: grads, lambda: mine)
+    np.testing.assert_array_equal(adopted["w"], [[1, 1]] * 3 + [[5, 5]])
+    np.testing.assert_array_equal(adopted["b"], 6.0)
+    assert sync.versions == [7, 2] and sync.stats()["exchange_shard_versions"] == [7, 2]
+    assert [ch.read_update(ch.pending_updates()[-1]).base_version for ch in channels] == [7, -1]
+
+
+# -- a run with two shards on the local backend ---------------------------------------------------
+def applied_exactly_once(shard: Path) -> dict:
+    events = [e for e in read_jsonl(shard / "applier/events.jsonl") if e["event"] in ("applied", "dropped")]
+    pairs = [(e["group"], e["seq"]) for e in events]
+    assert len(pairs) == len(set(pairs)), f"{shard.name}: an update was applied twice"
+    status = json.loads((shard / "applier/status.json").read_text())
+    for group, last in status["last_seq"].items():
+        assert {s for g, s in pairs if g == int(group)} == set(range(last + 1)), f"{shard.name}: group {group} lost updates"
+    assert status["backlog"] == 0
+    return status
+
+
+def local_view(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "scheduler/local.json").read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def group_step(run_dir: Path, group: int) -> int:
+    try:
+        return json.loads((run_dir / f"groups/{group}/state.json").read_text()).get("step", 0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_two_shards_train_through_a_kill_9_of_one_and_evaluate_the_joined_master(hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    overrides = tiny_overrides(hep_files, runs, steps=120) + [
+        "exchange.shards=2", "exchange.max_pending_per_group=1000", "exchange.max_staleness=1000"]
+    proc = subprocess.Popen([HPCDL, "submit", "hep", "--nodes", "2", "--group-size", "1", "--json",
+                             *set_args(overrides)], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = wait_for(lambda: next((p for p in runs.glob("hep-*")), None) if runs.exists() else None,
+                           60, "the run directory")
+        wait_for(lambda: group_step(run_dir, 0) >= 30, 300, "step 30")
+        shard1 = local_view(run_dir)["applier"]["shards"][1]["pid"]
+        os.kill(shard1, signal.SIGKILL)
+        at_kill = [group_step(run_dir, g) for g in (0, 1)]
+        wait_for(lambda: local_view(run_dir)["applier"]["shards"][1]["restarts"] >= 1, 60, "shard 1 restarted")
+        wait_for(lambda: all(group_step(run_dir, g) > s for g, s in enumerate(at_kill)), 120, "both groups going on")
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out + err
+    exchange = run_dir / "exchange"
+    recorded = Partition.from_json((exchange / "partition.json").read_bytes())
+    assert recorded.count == 2 and all(recorded.shards)
+    statuses = [applied_exactly_once(exchange / f"shard-{k}") for k in range(2)]
+    for status in statuses:
+        assert set(status["last_seq"]) == {"0", "1"} and status["counts"]["applied"] > 0
+    assert local_view(run_dir)["applier"]["shards"][0]["restarts"] == 0
+
+    shown = json.loads(subprocess.run([HPCDL, "status", str(run_dir), "--json"], capture_output=True,
+                                      text=True, check=True).stdout)
+    assert [s["shard"] for s in shown["applier"]["shards"]] == [0, 1]
+    assert [s["applied"] for s in shown["applier"]["shards"]] == [s["counts"]["applied"] for s in statuses]
+    text = subprocess.run([HPCDL, "status", str(run_dir)], capture_output=True, text=True, check=True).stdout
+    assert "shard 1" in text
+
+    result = json.loads(subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True,
+                                       text=True, check=True).stdout)
+    versions = [s["master_version"] for s in statuses]
+    assert result["model"].startswith(f"master weights v{min(versions)}")
+    assert result["auc_weighted"] > 0.9
+
+    resumed = subprocess.run([HPCDL, "resume", str(run_dir), "--set", "exchange.shards=3",
+                              "--set", "train.steps=200"], capture_output=True, text=True)
+    assert resumed.returncode != 0
+    assert "Error: resume cannot change exchange.shards" in resumed.stderr.strip().splitlines()[-1]
