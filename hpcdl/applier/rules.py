@@ -89,24 +89,40 @@ class Adam(UpdateRule):
     name = "adam"
     slots = ("m", "v")
 
+    def __init__(self, params: RuleParams):
+        super().__init__(params)
+        self._scratch: dict[tuple[int, str], np.ndarray] = {}
+
+    def scratch(self, like: np.ndarray) -> np.ndarray:
+        """One buffer per size, kept: a fresh one per update would page-fault megabytes each time."""
+        key = (like.size, like.dtype.str)
+        if key not in self._scratch:
+            self._scratch[key] = np.empty(like.size, like.dtype)
+        return self._scratch[key].reshape(like.shape)
+
     def apply_tensor(self, w, slot, g, scale, t):
+        # The textbook step, with its scalars folded so that each array is passed over as few
+        # times as numpy allows (the cost is memory traffic): lr·m̂/(√v̂ + ε) =
+        # (lr·√c2/c1)·m/(√v + ε·√c2), and s·g enters m and v through their coefficients.
         p = self.p
         m, v = slot["m"], slot["v"]
-        if scale != 1.0:
-            g = g * scale
-        m *= p.beta1
-        m += (1.0 - p.beta1) * g
-        v *= p.beta2
-        v += (1.0 - p.beta2) * np.square(g)
-        # the bias corrections as two scalars: no bias-corrected copies of m and v
         c1, c2 = 1.0 - p.beta1 ** t, 1.0 - p.beta2 ** t
-        denom = np.empty_like(v)  # the one scratch buffer (out= keeps 0-d tensors arrays)
-        np.divide(v, c2, out=denom)
-        np.sqrt(denom, out=denom)
-        denom += p.eps
-        np.divide(m, denom, out=denom)
-        denom *= p.lr / c1
-        w -= denom
+        tmp = self.scratch(w)
+        if p.beta1:
+            m *= p.beta1
+            np.multiply(g, (1.0 - p.beta1) * scale, out=tmp)
+            m += tmp
+        else:
+            np.multiply(g, scale, out=m)
+        np.multiply(g, g, out=tmp)
+        tmp *= (1.0 - p.beta2) * scale * scale
+        v *= p.beta2
+        v += tmp
+        np.sqrt(v, out=tmp)
+        tmp += p.eps * c2 ** 0.5
+        np.divide(m, tmp, out=tmp)
+        tmp *= p.lr * c2 ** 0.5 / c1
+        w -= tmp
 
 
 class Nesterov(UpdateRule):

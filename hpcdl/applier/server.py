@@ -757,7 +757,8 @@ class Applier:
 
     def _write_status(self, phase: str | None = None) -> None:
         data = json.dumps(self.status(phase), indent=1, allow_nan=False).encode() + b"\n"
-        atomic_write_bytes(self.ch.status_path, data, fsync=self.ch.fsync, access=self.ch.access)
+        # advisory and rewritten every batch: atomic, not durable (see the protocol's "Publishing")
+        atomic_write_bytes(self.ch.status_path, data, fsync=False, access=self.ch.access)
         self._last_status = time.time()
 
     def _acquire_lock(self) -> int | None:

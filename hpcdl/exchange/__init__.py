@@ -59,6 +59,13 @@ Publishing (all writers, all file kinds)
 3. ``os.replace`` it onto the final name (atomic on POSIX file systems, Lustre included),
 4. ``fsync`` the directory.
 
+Steps 2 and 4 (durability against a crash of the node, not of the process) are taken for the
+files a restart depends on -- the applier's state (its ledger is the exactly-once record), the
+weights versions and the initial proposals -- and skipped for update files and ``status.json``:
+an update file torn by a node crash fails its tag and is rejected, which costs what a dropped
+update costs, and the status is rewritten with every batch. Without an fsync each update costs
+the group root and the applier no disk round trip.
+
 Readers therefore see either no file or a complete one. Published files are never modified,
 only deleted (applied updates by the applier; old weight versions beyond the newest K). A writer
 killed between 1 and 3 leaves a temporary that no reader lists; :meth:`Channel.clean_stale_temporaries`

@@ -78,6 +78,11 @@ def _check_nonneg(**kw: int) -> None:
             raise ValueError(f"{k} must be an int >= 0, got {v!r}")
 
 
+# The kinds fsynced before their rename (see "Publishing" in the protocol docstring): an update
+# torn by a node crash is rejected by its tag and costs what a dropped update costs.
+DURABLE_KINDS = frozenset({"weights", "init", "state"})
+
+
 class Channel:
     """One run's exchange directory: layout, publishing and reading (see the module docstring).
 
@@ -137,8 +142,8 @@ class Channel:
     # -- internal ------------------------------------------------------------------------------
 
     def _write(self, path: Path, kind: str, tensors: Tensors, **fields: Any) -> Path:
-        return write_file(path, run_id=self.run_id, kind=kind, tensors=tensors,
-                          signer=self.signer, fsync=self.fsync, access=self.access, **fields)
+        return write_file(path, run_id=self.run_id, kind=kind, tensors=tensors, signer=self.signer,
+                          fsync=self.fsync and kind in DURABLE_KINDS, access=self.access, **fields)
 
     def _read(self, path: Path, kind: str, max_bytes: int | None = None
               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

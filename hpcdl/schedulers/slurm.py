@@ -173,7 +173,9 @@ def render_group_script(request: SubmitRequest) -> str:
 def render_applier_script(request: SubmitRequest) -> str:
     job = request.job
     s = job.slurm
-    directives = sbatch_directives(job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, 1, 1)
+    # one node, a core per shard's applier (each is one single-threaded numpy process)
+    shards = job.exchange.shard_count
+    directives = sbatch_directives(job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, shards, 1)
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if job.slurm.signal_seconds:
         directives.append(f"#SBATCH --signal=B:{job.slurm.signal}@{job.slurm.signal_seconds}")
@@ -185,6 +187,7 @@ def render_applier_script(request: SubmitRequest) -> str:
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
         "max_restarts": str(job.run.max_restarts),
+        "shards": str(shards),
     }, APPLIER_SCRIPT)
 
 

@@ -24,6 +24,10 @@ case " $* " in
     while [ $# -gt 0 ]; do [ "$1" = --port-file ] && { echo 29500 > "$2"; }; shift; done
     exec sleep 60 ;;
   *" --applier "*)
+    shard=; prev=; for arg in "$@"; do [ "$prev" = --shard ] && shard=$arg; prev=$arg; done
+    echo "$shard" >> "$RUN_DIR/appliers.started"
+    # a crash of this shard's applier, once (the mark says which)
+    [ -e "$RUN_DIR/crash-shard-$shard" ] && { rm "$RUN_DIR/crash-shard-$shard"; exit 1; }
     trap 'exit 75' USR1
     for _ in $(seq 600); do sleep 0.1; done ;;
 esac
@@ -204,3 +208,22 @@ def test_a_failed_scancel_takes_its_cancel_mark_back(monkeypatch, tmp_path):
     with pytest.raises(SchedulerError, match="scancel failed"):
         SlurmScheduler().cancel(run)
     assert not run.cancel_mark.exists()
+
+
+def test_each_shard_has_its_applier_and_a_crash_restarts_only_that_shard(tmp_path):
+    run, scripts, env = render(tmp_path, "exchange.shards=3", "slurm.signal=TERM")
+    text = Path(scripts["applier"]).read_text()
+    assert "#SBATCH --ntasks-per-node=3" in text and "shards=3" in text
+    (run.root / "crash-shard-1").touch()
+    proc = start(scripts["applier"], {k: v for k, v in env.items() if k != "SLURM_ARRAY_TASK_ID"})
+    started = run.root / "appliers.started"
+    deadline = time.monotonic() + 30
+    while not (started.exists() and len(started.read_text().split()) >= 4):
+        assert time.monotonic() < deadline, "the shards' appliers did not start"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)  # the time limit's warning: every shard commits, one requeue
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert sorted(started.read_text().split()) == ["0", "1", "1", "2"], out
+    assert "shard 1's applier exited with status 1; starting it again" in out
+    assert scontrol_calls(run) == ["requeue 41"], out
