@@ -206,10 +206,13 @@ class ExchangeSync:
                     self.versions[k], self.master[k] = latest
                     newer = True
         if newer:
-            own = None if all(p is not None for p in self.master) else self._split(
-                local if local is not None else weights())
-            adopted = self._joined(own)
-            self.adopted += 1
+            own = None
+            if any(p is None for p in self.master):  # a shard without a version: our own part
+                own = self._split(local if local is not None else weights()) if (
+                    local is not None or weights is not None) else None
+            if own is not None or all(p is not None for p in self.master):
+                adopted = self._joined(own)
+                self.adopted += 1
         if self.kind == "delta":
             self.base = _copy(adopted) if adopted is not None else local
         self.last_exchange = time.time()

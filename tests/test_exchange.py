@@ -269,9 +269,9 @@ def test_temporary_of_a_killed_writer_is_ignored_and_cleaned(ch: Channel) -> Non
     script = textwrap.dedent(f"""
         import os, sys, time, numpy as np
         from hpcdl.exchange import Channel
-        def stuck(fd):
+        def stuck(*args):  # written and closed, not yet renamed
             sys.stdout.write("writing\\n"); sys.stdout.flush(); time.sleep(60)
-        os.fsync = stuck
+        os.replace = stuck
         Channel({str(ch.root)!r}, {RUN!r}).publish_update(4, 9, 0, {{"w": np.ones(1 << 16)}})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,

@@ -240,19 +240,35 @@ def test_publish_on_a_full_tmpfs(tiny_fs, tmp_path):
         break_disk=lambda: state.update(filler=fill(fs, leave=100 << 10)))
 
 
-def test_publish_with_an_injected_enospc_at_fsync(tmp_path, monkeypatch):
-    """The late failure: the data were buffered and the disk filled up before fsync."""
+def test_publish_with_an_injected_edquot_at_close(tmp_path, monkeypatch):
+    """The late failure: the data were buffered, and the quota was exceeded when the file was
+    closed (where NFS and Lustre report write-back errors; update files are not fsynced)."""
     ch = Channel(tmp_path / "x", "run", max_pending_per_group=100)
     report_path = tmp_path / REPORT_FILE
     sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
-    real_fsync = os.fsync
+    real_fdopen = os.fdopen
 
-    def broken(fd):
-        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    class FullAtClose:
+        def __init__(self, f):
+            self._f = f
+
+        def __getattr__(self, name):
+            return getattr(self._f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self._f.close()
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+
+    def broken(fd, *args, **kwargs):
+        f = real_fdopen(fd, *args, **kwargs)
+        return FullAtClose(f) if "/updates/" in os.readlink(f"/proc/self/fd/{fd}") else f
 
     check_publish_failure_keeps_everything(
-        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(os, "fsync", real_fsync),
-        break_disk=lambda: monkeypatch.setattr(os, "fsync", broken))
+        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(os, "fdopen", real_fdopen),
+        break_disk=lambda: monkeypatch.setattr(os, "fdopen", broken))
 
 
 def test_held_updates_are_bounded(tmp_path, monkeypatch):

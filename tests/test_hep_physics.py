@@ -17,7 +17,7 @@ def test_cnn_beats_the_physics_selection_on_generated_data(tmp_path):
     submitted = subprocess.run(
         [HPCDL, "submit", "hep", "--backend", "local", "--nodes", "2", "--group-size", "1", "--json",
          "--set", f'data.train="{data}/train.h5"', "--set", f'data.test="{data}/test.h5"',
-         "--set", f'data.val="{data}/val.h5"', "--set", "train.steps=400", "--set", "model.filters=32",
+         "--set", f'data.val="{data}/val.h5"', "--set", "train.steps=600", "--set", "model.filters=32",
          "--set", f'run.runs_dir="{tmp_path}/runs"'],
         capture_output=True, text=True, timeout=2400, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr[-3000:]

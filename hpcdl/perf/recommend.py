@@ -150,9 +150,9 @@ class Plan:
     recommended: int | None  # group count, None if no candidate is feasible
     every_advice: EveryAdvice | None = None  # for the recommended group count (> 1)
     alternative: GroupPlan | None = None  # another group count at its own H that does better
-    shard_advice: "ShardAdvice | None" = None  # appliers for the recommended count at its H
     max_utilisation: float = MAX_APPLIER_UTILISATION
     max_exchange_share: float = MAX_EXCHANGE_SHARE
+    shard_advice: "ShardAdvice | None" = None  # appliers for the recommended count at its H
 
     @property
     def rule(self) -> str:

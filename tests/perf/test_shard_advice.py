@@ -1,0 +1,41 @@
+"""The planner's model of exchange.shards: each applier sees every update, 1/S of its bytes."""
+
+import dataclasses
+
+import pytest
+
+from hpcdl.perf.planner import PlanInputs, plan, recommend_shards
+
+
+@pytest.fixture
+def inputs():
+    return PlanInputs.measured_here(1.9e12)  # hpcdl's HEP job: 128 examples per node per step
+
+
+def test_a_shards_time_per_update_falls_with_its_share_of_the_bytes(inputs):
+    one = inputs.applier_seconds_per_update
+    slow = dataclasses.replace(inputs, exchange_latency=0.0)
+    assert dataclasses.replace(slow, exchange_shards=4).applier_seconds_per_update == pytest.approx(
+        slow.applier_seconds_per_update / 4)
+    # the per-file latency does not shrink: four shards are less than four times faster
+    assert dataclasses.replace(inputs, exchange_shards=4).applier_seconds_per_update > one / 4
+    # and every group root pays one file operation per shard
+    assert dataclasses.replace(inputs, exchange_shards=4).update_transfer_seconds == pytest.approx(
+        inputs.update_transfer_seconds + 3 * inputs.exchange_latency)
+
+
+def test_one_applier_is_enough_for_a_few_groups_and_more_are_advised_for_many(inputs):
+    light = recommend_shards(inputs, 9600, 8)
+    assert light.shards == 1 and light.met
+    heavy_inputs = dataclasses.replace(inputs, applier_bytes_per_s=0.2e9, exchange_latency=1e-3)
+    heavy = recommend_shards(heavy_inputs, 9600, 64)
+    assert heavy.met and heavy.shards > 1
+    assert heavy.one_applier_utilisation > 0.5 >= heavy.applier_utilisation
+    fewer = recommend_shards(dataclasses.replace(heavy_inputs, exchange_shards=1), 9600, 64)
+    assert fewer == heavy  # the advice does not depend on the shards the inputs say
+
+
+def test_the_plan_carries_the_shard_advice_for_its_recommended_groups(inputs):
+    p = plan(dataclasses.replace(inputs, max_outstanding=1), 9600, [4, 8])
+    assert p.shard_advice is not None and p.shard_advice.groups == p.recommended
+    assert p.to_dict()["shard_advice"]["shards"] == p.shard_advice.shards
