@@ -206,3 +206,27 @@ def test_two_shards_train_through_a_kill_9_of_one_and_evaluate_the_joined_master
                               "--set", "train.steps=200"], capture_output=True, text=True)
     assert resumed.returncode != 0
     assert "Error: resume cannot change exchange.shards" in resumed.stderr.strip().splitlines()[-1]
+
+
+# -- submit ---------------------------------------------------------------------------------------
+def test_submit_resolves_auto_and_the_local_dry_run_lists_one_applier_per_shard(tmp_path):
+    from hpcdl.submit import prepare
+
+    base = [f'run.runs_dir="{tmp_path}"', "run.backend=local", "run.check_data=false"]
+    notes = []
+    auto = prepare("hep", base + ["run.nodes=4", "run.group_size=1", 'exchange.shards="auto"'],
+                   cluster={"cores": 64}, on_note=notes.append)
+    assert isinstance(auto.job.exchange.shards, int) and auto.job.exchange.shards >= 1
+    assert any(n.startswith(f"exchange.shards: {auto.job.exchange.shards} (") for n in notes)
+    three = prepare("hep", base + ["run.nodes=2", "run.group_size=1", "exchange.shards=3"], cluster={"cores": 64})
+    appliers = [c for c in three.dryrun.commands if "--applier" in c]
+    assert [c[c.index("--shard") + 1] if "--shard" in c else "0" for c in appliers] == ["0", "1", "2"]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "257", "1.5", "true", '"many"'])
+def test_a_bad_shard_count_is_one_line(tmp_path, value):
+    done = subprocess.run([HPCDL, "submit", "hep", "--dry-run", "--set", f"exchange.shards={value}",
+                           "--set", f'run.runs_dir="{tmp_path}"'], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1].startswith("Error: exchange.shards must be")
+    assert not any(tmp_path.iterdir())
