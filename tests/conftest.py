@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -48,6 +49,16 @@ def tiny_overrides(files: dict[str, Path], runs_dir: Path, steps: int = 20) -> l
         "model.filters=8", "model.conv_layers=2", "model.dropout=0.0", "data.chunk_events=256",
         f'run.runs_dir="{runs_dir}"', "run.backend=local",  # not auto: a test cluster may answer
     ]
+
+
+def wait_for(predicate, timeout=180.0, what="condition", poll=0.2):
+    """predicate()'s first true value within `timeout` seconds; else fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def set_args(overrides: list[str]) -> list[str]:

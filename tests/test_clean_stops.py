@@ -18,17 +18,7 @@ import pytest
 from hpcdl.config import load_job
 from hpcdl.runs import create_run, read_jsonl
 from hpcdl.schedulers.local import Supervisor
-from tests.conftest import HPCDL, set_args, tiny_overrides
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
 
 def checkpoints(run_dir: Path) -> list[int]:

@@ -1,5 +1,3 @@
-from pathlib import Path
-
 import pytest
 
 from hpcdl.config import JobError, job_from_dict, load_job, resolve_job_path

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcdl.workloads.hep.data import DataError, iter_batches, open_hep
+from hpcdl.workloads.hep.data import DataError, open_hep
 from tests.conftest import REPO
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,

@@ -14,19 +14,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from hpcdl import exchange as ex
 from hpcdl.applier import Applier
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
 from hpcdl.hybrid import ExchangeSync
-from hpcdl.runs import RunDir, append_jsonl, create_run, read_jsonl, write_json_atomic
+from hpcdl.runs import append_jsonl, create_run, read_jsonl, write_json_atomic
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
     storage_report,

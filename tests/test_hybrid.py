@@ -8,12 +8,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from hpcdl.exchange import Channel
 from hpcdl.hybrid import ExchangeSync
 from hpcdl.runs import read_jsonl
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
 
 def start_run(hep_files, tmp_path, steps, *extra):
@@ -44,16 +43,6 @@ def local_view(run_dir: Path) -> dict:
         return json.loads((run_dir / "scheduler" / "local.json").read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-
-
-def wait_for(predicate, timeout=180, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def finish(proc):

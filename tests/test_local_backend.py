@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
 
 def hpcdl(*args, cwd, check=True, timeout=600):
@@ -95,16 +95,6 @@ def test_detached_run_can_be_watched_and_cancelled(hep_files, tmp_path):
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
     again = hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout  # repeating is harmless
     assert "nothing to cancel" in again
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_bare_cancel_after_evaluating_an_older_run_stops_the_live_run(hep_files, tmp_path):

@@ -1,5 +1,3 @@
-import numpy as np
-import pytest
 import tensorflow as tf
 
 from hpcdl.workloads.hep.config import HepModelConfig

@@ -19,7 +19,7 @@ from hpcdl.runs import RunDir, RunIdTaken, append_jsonl, create_run, write_json_
 from hpcdl.schedulers.base import DryRun, Scheduler
 from hpcdl.status import collect
 from hpcdl.submit import Prepared, prepare, submit_run
-from tests.conftest import set_args, tiny_overrides
+from tests.conftest import set_args, tiny_overrides, wait_for
 
 TRUNCATED = b'{"run_id": "hep-1", "backend": "lo'
 BINARY = b"\x00\x9c\xff\xfeELF\x01\x02\x80garbage"
@@ -240,17 +240,6 @@ def hpcdl(*args, cwd, check=True, timeout=300):
 
 def status_json(run_dir, cwd):
     return json.loads(hpcdl("status", str(run_dir), "--json", cwd=cwd).stdout)
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def alive(pid):

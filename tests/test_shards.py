@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
 from hpcdl.hybrid import ExchangeSync, record_partition
 from hpcdl.runs import create_run, read_jsonl
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
 F4 = "<f4"
 
@@ -150,15 +149,6 @@ def group_step(run_dir: Path, group: int) -> int:
         return json.loads((run_dir / f"groups/{group}/state.json").read_text()).get("step", 0)
     except (FileNotFoundError, json.JSONDecodeError):
         return 0
-
-
-def wait_for(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := predicate():
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_two_shards_train_through_a_kill_9_of_one_and_evaluate_the_joined_master(hep_files, tmp_path):
