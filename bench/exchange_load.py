@@ -129,22 +129,27 @@ def machine() -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def publisher(group: int, roots: list[str], key: bytes, shapes: dict, interval: float, start: float,
-              stop: float, max_pending: int | None, fsync: bool, nice: int, pin: set[int] | None,
+def publisher(group: int, roots: list[str], key: bytes, shapes: dict, interval: float, clock,
+              max_pending: int | None, fsync: bool, nice: int, pin: set[int] | None,
               out: str) -> None:
+    """One group root. ``clock``: the run's start barrier (see :class:`StartClock`)."""
     if nice:
         os.nice(nice)
     _pin(pin, "publishers")
     channels = [Channel(r, RUN_ID, create=False, signer=Signer(key), fsync=fsync,
                         max_pending_per_group=max_pending) for r in roots]
-    sync = ExchangeSync(channels, group, every=1, initial_wait_s=0.0)
+    sync = ExchangeSync(channels, group, every=1, initial_wait_s=30.0)
     rng = np.random.default_rng(group)
     grads = {k: (rng.standard_normal(s) * 1e-3).astype(np.float32) for k, s in shapes.items()}
     own = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
     dropped: list[list[int]] = [[] for _ in channels]  # per shard: seqs its bound deleted
-    while time.time() < start:
-        time.sleep(0.005)
+    # The initial weights are adopted before the load starts: 64 roots reading them at once on a
+    # loaded core take seconds, which is a start-up cost, not the exchange's steady state.
+    t0 = time.perf_counter()
     sync.initial_weights(own)
+    initial_s = time.perf_counter() - t0
+    start, stop = clock.ready_and_wait()
+    late_s = time.time() - start  # woken late on a loaded machine
     # Groups start at random phases, as real ones do.
     next_t = time.monotonic() + rng.uniform(0, interval)
     step = 0
@@ -165,8 +170,40 @@ def publisher(group: int, roots: list[str], key: bytes, shapes: dict, interval: 
     Path(out).write_text(json.dumps({
         "group": group, "published": sync.published, "next_seq": sync.seq, "dropped": dropped,
         "publish_s": sync.seconds, "adopted": sync.adopted, "version": sync.version,
-        "failures": sync.publish_failures,
+        "failures": sync.publish_failures, "steps": step, "late_s": late_s, "initial_s": initial_s,
     }))
+
+
+class StartClock:
+    """Everyone forked, set up and ready before the load's clock starts (forking 64 processes on
+    a loaded machine takes tens of seconds: a start time fixed before the forks would be long
+    past for the last ones)."""
+
+    def __init__(self, ctx, parties: int):
+        self.parties = parties
+        self._ready = ctx.Value("i", 0)
+        self._times = ctx.Array("d", 2)  # start, stop (time.time())
+        self._go = ctx.Event()
+
+    def ready_and_wait(self) -> tuple[float, float]:
+        with self._ready.get_lock():
+            self._ready.value += 1
+        self._go.wait()
+        start = self._times[0]
+        while time.time() < start:
+            time.sleep(min(0.01, max(0.0, start - time.time())))
+        return self._times[0], self._times[1]
+
+    def start(self, seconds: float, timeout: float, lead: float = 0.5) -> tuple[float, float, int]:
+        """Wait (up to `timeout` s) for every party, then start the clock; returns start, stop
+        and how many were ready."""
+        deadline = time.monotonic() + timeout
+        while self._ready.value < self.parties and time.monotonic() < deadline:
+            time.sleep(0.05)
+        start = time.time() + lead
+        self._times[0], self._times[1] = start, start + seconds
+        self._go.set()
+        return start, start + seconds, self._ready.value
 
 
 def _pin(cpus: set[int] | None, who: str) -> None:
@@ -205,6 +242,8 @@ def applier(root: str, key: bytes, shapes: dict, fsync: bool, stop_file: str, dr
         "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), "wall_s": t1 - t0,
         "drain_s": (t1 - state["stop_seen"]) if state["stop_seen"] else None,
         "staleness": app.status()["staleness"],
+        # the applier's own account: process time of the batches that had work only (no polling)
+        "busy_cpu_s": app.cpu_seconds, "busy_updates": app.cpu_updates,
     }))
 
 
@@ -311,14 +350,16 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
             for k in range(shards)]
     for a in apps:
         a.start()
-    start = time.time() + 1.0 + 0.02 * args.groups  # everyone forked and waiting
-    stop = start + args.seconds
+    clock = StartClock(ctx, args.groups)
     pubs = [ctx.Process(target=publisher, args=(g, [str(r) for r in roots], key, shapes, args.interval,
-                                                start, stop, args.max_pending, args.fsync, args.nice,
+                                                clock, args.max_pending, args.fsync, args.nice,
                                                 pub_cpus, str(results / f"g{g}.json")))
             for g in range(args.groups)]
+    forked = time.monotonic()
     for p in pubs:
         p.start()
+    start, stop, ready = clock.start(args.seconds, timeout=300)
+    setup_s = time.monotonic() - forked
     samples: list[list[int]] = [[] for _ in range(shards)]
     while time.time() < stop:
         time.sleep(0.25)
@@ -360,8 +401,14 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
             "applied_per_s": in_load / load_s if load_s > 0 else None,
             "cpu_s": ap.get("cpu_s"), "wall_s": ap.get("wall_s"), "handled": handled,
             "cpu_ms_per_update": 1e3 * ap["cpu_s"] / handled if ap and handled else None,
+            # without the idle polling between batches (what a busy applier pays per update)
+            "busy_cpu_ms_per_update": (1e3 * ap["busy_cpu_s"] / ap["busy_updates"]
+                                       if ap.get("busy_updates") else None),
             "cpu_share": ap["cpu_s"] / ap["wall_s"] if ap.get("wall_s") else None,
             "drain_s": ap.get("drain_s"),
+            # the backlog left at the end over the time it took to drain: the shard's rate once
+            # the publishers have stopped competing for the machine
+            "drain_per_s": (at_end[k] / ap["drain_s"] if ap.get("drain_s") and at_end[k] >= 8 else None),
             "backlog_max": max(samples[k], default=0),
             "backlog_mean": float(np.mean(samples[k])) if samples[k] else 0.0,
             "backlog_at_load_end": at_end[k],
@@ -387,6 +434,7 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
         "machine": machine(), "load_average_before": load_before, "cpu_note": SHARING_NOTE,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "max_pending_per_group": args.max_pending, "process_failures": bad,
+        "setup_s": setup_s, "publishers_ready": ready,
         "offered_per_s": published / load_s if load_s > 0 else None,
         "offered_target_per_s": args.groups / args.interval,
         "published": published,
@@ -408,7 +456,11 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
         "keeps_up": all(bool(samples[k]) and at_end[k] <= max(2 * args.groups, 8)
                         and (per_shard[k]["drain_s"] if per_shard[k]["drain_s"] is not None else 1e9) < 5.0
                         for k in range(shards)),
-        "publish_ms_mean": 1e3 * sum(p["publish_s"] for p in pub) / max(1, published),
+        "publish_ms_mean": 1e3 * sum(p["publish_s"] - p["initial_s"] for p in pub) / max(1, published),
+        "publisher_steps": {"min": min((p["steps"] for p in pub), default=0),
+                            "max": max((p["steps"] for p in pub), default=0)},
+        "publisher_late_s_max": max((p["late_s"] for p in pub), default=None),
+        "publisher_initial_s_max": max((p["initial_s"] for p in pub), default=None),
         "adopted": sum(p["adopted"] for p in pub),
         "staleness": {"count": st_count, "mean": st_sum / st_count if st_count else None,
                       "max": max(((s["staleness"] or {}).get("max", 0) for s in per_shard), default=0)},
@@ -434,7 +486,11 @@ def show(r: dict) -> None:
           f"{' '.join(f'{x:.1f}' for x in r['load_average_before'] or [])} before, "
           f"{' '.join(f'{x:.1f}' for x in m['load_average'] or [])} after")
     print(f"  offered    {f(r['offered_per_s'])} updates/s published (target {f(r['offered_target_per_s'])}); "
-          f"publish {f(r['publish_ms_mean'], '{:.2f}')} ms each (all {k} shard files)")
+          f"publish+adopt {f(r['publish_ms_mean'], '{:.2f}')} ms wall each (all {k} shard files); steps per "
+          f"group {r['publisher_steps']['min']}-{r['publisher_steps']['max']}; the last group started "
+          f"{f(r['publisher_late_s_max'], '{:.1f}')} s late; setup (fork, initial weights: up to "
+          f"{f(r['publisher_initial_s_max'], '{:.1f}')} s) took {r['setup_s']:.0f} s, "
+          f"{r['publishers_ready']} of {r['groups']} ready")
     print(f"  applied    {f(r['applied_per_s'])} full updates/s during the load (slowest shard); "
           f"{r['applied_updates_whole']} of {r['published']} published applied in every shard, "
           f"drain included")
@@ -445,10 +501,12 @@ def show(r: dict) -> None:
     print(f"             ({SHARING_NOTE})")
     for s in r["per_shard"]:
         st = s["staleness"] or {}
-        print(f"  shard {s['shard']}    {s['params']:,} params: {f(s['cpu_ms_per_update'], '{:.2f}')} ms CPU/update, "
+        print(f"  shard {s['shard']}    {s['params']:,} params: {f(s['cpu_ms_per_update'], '{:.2f}')} ms CPU/update "
+              f"({f(s['busy_cpu_ms_per_update'], '{:.2f}')} in batches only), "
               f"{f(100 * s['cpu_share'] if s['cpu_share'] is not None else None, '{:.0f}')} % of a core; "
               f"applied {f(s['applied_per_s'])}/s; backlog max {s['backlog_max']}, mean "
-              f"{s['backlog_mean']:.1f}, at end {s['backlog_at_load_end']}, drained in {f(s['drain_s'])} s; "
+              f"{s['backlog_mean']:.1f}, at end {s['backlog_at_load_end']}, drained in {f(s['drain_s'])} s "
+              f"({f(s['drain_per_s'], '{:.0f}')}/s); "
               f"staleness mean {f(st.get('mean'))}, max {st.get('max', '-')}")
     print(f"  backlog    {'keeps up' if r['keeps_up'] else 'DOES NOT keep up (backlog reported above)'}; "
           f"groups adopted {r['adopted']} master versions")
