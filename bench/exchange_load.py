@@ -26,8 +26,9 @@ applier's CPU time per update -- which does not depend on how the machine is sha
 capacity on one dedicated core.
 
 Printed per size and K: updates offered (published) and applied per second, each shard's CPU
-time per update (user + sys, from getrusage in its process) and their sum (the CPU of one full
-update), the backlog of each shard (pending update files, sampled every 0.25 s: max, mean, at the
+time per update it read (user + sys, from getrusage in its process, over the updates it read: a
+file its publisher's bound deleted between the listing and the read is not counted) and their sum
+(the CPU of one full update), the backlog of each shard (pending update files, sampled every 0.25 s: max, mean, at the
 end of the load, and how long the drain took), publishers' own publish time, staleness per shard
 (from each applier's status), and the exactly-once ledger check of each shard: every (group, seq)
 a publisher published is applied exactly once in that shard, or deleted unread by that
@@ -393,17 +394,22 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
         in_load = sum(1 for e in read_events(r)
                       if e["event"] == "applied" and start <= e["time"] <= load_end)
         handled = ap.get("handled", 0)
+        # The updates this shard read: a file listed and then deleted by its publisher's backlog
+        # bound before the read ("vanished") or a replay ("duplicates") costs a listing entry,
+        # not an update; dividing by them would make a shard that loses the race look cheaper.
+        counts_k = ap.get("counts", {})
+        read = handled - counts_k.get("vanished", 0) - counts_k.get("duplicates", 0)
         st = ap.get("staleness") or {}
         per_shard.append({
             "shard": k, "params": int(sum(np.prod(s) for s in parts[k].values())),
             "bytes": partition.shard_bytes()[k], "pieces": list(parts[k]),
             "applied": ap.get("counts", {}).get("applied", 0),
             "applied_per_s": in_load / load_s if load_s > 0 else None,
-            "cpu_s": ap.get("cpu_s"), "wall_s": ap.get("wall_s"), "handled": handled,
-            "cpu_ms_per_update": 1e3 * ap["cpu_s"] / handled if ap and handled else None,
+            "cpu_s": ap.get("cpu_s"), "wall_s": ap.get("wall_s"), "handled": handled, "read": read,
+            "cpu_ms_per_update": 1e3 * ap["cpu_s"] / read if ap and read > 0 else None,
             # without the idle polling between batches (what a busy applier pays per update)
-            "busy_cpu_ms_per_update": (1e3 * ap["busy_cpu_s"] / ap["busy_updates"]
-                                       if ap.get("busy_updates") else None),
+            "busy_cpu_ms_per_update": (1e3 * ap["busy_cpu_s"] / read if ap.get("busy_updates") and read > 0
+                                       else None),
             "cpu_share": ap["cpu_s"] / ap["wall_s"] if ap.get("wall_s") else None,
             "drain_s": ap.get("drain_s"),
             # the backlog left at the end over the time it took to drain: the shard's rate once
@@ -614,9 +620,11 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
                 app_ch.publish_update(2, seq, app.version, grads)
                 seq += 1
             c0, w0 = time.process_time_ns(), time.perf_counter_ns()
-            handled = app.step()
-            whole_cpu.append((time.process_time_ns() - c0) // max(1, handled))
-            whole_wall.append((time.perf_counter_ns() - w0) // max(1, handled))
+            applied = app.counts["applied"]
+            app.step()
+            applied = app.counts["applied"] - applied
+            whole_cpu.append((time.process_time_ns() - c0) // max(1, applied))
+            whole_wall.append((time.perf_counter_ns() - w0) // max(1, applied))
     out = {name: {"cpu": _quartiles(cpu, per), "wall": _quartiles(wall, per)}
            for name, (cpu, wall, per) in parts.items()}
     total = sum(v["cpu"]["median_ms"] for v in out.values())
