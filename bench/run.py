@@ -672,7 +672,8 @@ def section_exchange_load(b: Bench) -> None:
     groups, seconds = 4, 10
     log(f"exchange: bench/exchange_load.py, {groups} simulated groups for {seconds} s")
     p = subprocess.run([sys.executable, str(script), "--groups", str(groups), "--seconds", str(seconds),
-                        "--sizes", "594178", "--drain", "20", "--dir", str(where), "--json", str(out)],
+                        "--sizes", "594178", "--shards", "1", "--drain", "20", "--dir", str(where),
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     shutil.rmtree(where, ignore_errors=True)
     if not out.is_file():

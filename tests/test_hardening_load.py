@@ -13,7 +13,7 @@ from tests.conftest import REPO
 def run_bench(tmp_path, *args: str) -> list[dict]:
     out = tmp_path / "load.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "exchange_load.py"), "--dir", str(tmp_path),
-                           "--json", str(out), *args], capture_output=True, text=True, timeout=300)
+                           "--json", str(out), "--shards", "1", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ledger     OK" in proc.stdout and "updates/s" in proc.stdout and "backlog" in proc.stdout
     return json.loads(out.read_text())

@@ -217,6 +217,7 @@ class _Batch:
         self.reject: list[str] = []
         self.applied = 0
         self.handled = 0
+        self.read = 0  # update files read (not vanished, not a duplicate)
 
 
 class Applier:
@@ -270,6 +271,7 @@ class Applier:
         self._initial = dict(initial) if initial is not None else None
         self._stop = False
         self.cpu_seconds, self.cpu_updates = 0.0, 0  # this process's, since it started
+        self._listed: set[str] | None = None  # the update files the last step listed
         self._crash = _parse_crash_spec(os.environ.get(CRASH_ENV))
         self._crash_hits = 0
         self._last_status = 0.0
@@ -309,10 +311,11 @@ class Applier:
         """Process one batch of pending files (or adopt initial weights); returns files handled."""
         if self.version is None:
             return self._try_init()
+        cpu = time.process_time()
         refs = self.ch.pending_updates()
+        self._listed = {r.name for r in refs}  # status.json's backlog, without a second listing
         if not refs:
             return 0
-        cpu = time.process_time()
         batch = _Batch()
         for ref in refs[: self.max_batch]:
             if self._stop:
@@ -320,9 +323,10 @@ class Applier:
             self._process(ref, batch)
         if batch.handled:
             self._commit(batch)
-            # what one update costs this process, the weights' publish and the commit included
+            # what one update read costs this process: the listing, the weights' publish and
+            # the commit included
             self.cpu_seconds += time.process_time() - cpu
-            self.cpu_updates += batch.handled
+            self.cpu_updates += batch.read
         return batch.handled
 
     def run(
@@ -426,6 +430,7 @@ class Applier:
             self._event(batch, "rejected", file=ref.name, reason=reason)
             log.warning("rejected %s: %s", ref.name, reason)
             return
+        batch.read += 1
         reason = self._invalid_update(upd.tensors)
         if reason:
             self.counters["rejected_invalid"] += 1
@@ -734,7 +739,7 @@ class Applier:
             os.replace(self.ch.events_path, self._rotated_events_path)
 
     def status(self, phase: str | None = None) -> dict[str, Any]:
-        pending = {r.name for r in self.ch.pending_updates()}
+        pending = self._listed if self._listed is not None else {r.name for r in self.ch.pending_updates()}
         done = {Path(rel).name for rel in self.last_batch["delete"] + self.last_batch["reject"]}
         st = self.staleness
         if phase is None:

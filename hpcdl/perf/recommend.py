@@ -410,7 +410,8 @@ def plan(inputs: PlanInputs, nodes: int, candidates: Sequence[int] | None = None
     shards = None
     if chosen is not None and chosen > 1:
         at_every = dataclasses.replace(inputs, exchange_every=advice.every) if advice and advice.met else inputs
-        shards = recommend_shards(at_every, nodes, chosen, seed=seed, max_utilisation=max_utilisation)
+        shards = recommend_shards(at_every, nodes, chosen, seed=seed, max_utilisation=max_utilisation,
+                                  max_exchange_share=max_exchange_share)
     return Plan(inputs, nodes, seed, staleness_bound, results, chosen, advice, alternative,
                 max_utilisation, max_exchange_share, shards)
 
@@ -435,20 +436,30 @@ MAX_SHARDS = 64  # the largest exchange.shards the advice tries
 
 
 def recommend_shards(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
-                     max_utilisation: float = MAX_APPLIER_UTILISATION) -> ShardAdvice:
+                     max_utilisation: float = MAX_APPLIER_UTILISATION,
+                     max_exchange_share: float = MAX_EXCHANGE_SHARE) -> ShardAdvice:
     """Simulate S = 1, 2, ... appliers (each sees every update, 1/S of its bytes) and take the
     fewest whose utilisation is at most `max_utilisation` (the H rule's bound, for the same
-    reason): more shards cost every group root one file operation more per exchange."""
-    first = None
+    reason). Every shard costs each group root one file operation more per exchange: once the
+    exchange's share of a group's time exceeds `max_exchange_share` (or its share at one
+    applier, if that is larger) more shards cost the groups more than they give, and the advice
+    is the last S before that, not met."""
+    first = best = None
     for count in range(1, MAX_SHARDS + 1):
         at = dataclasses.replace(inputs, exchange_shards=count)
         c = evaluate(at, nodes, groups, seed=seed)
-        first = first or c
-        met = c.applier_utilisation <= max_utilisation
-        if met or count == MAX_SHARDS:
-            return ShardAdvice(groups, inputs.exchange_every, count, c.applier_utilisation,
-                               first.applier_utilisation, at.update_bytes / count, met)
-    raise AssertionError("unreachable")
+        share = c.exchange_s / c.step_s if c.step_s > 0 else 0.0
+        if first is None:
+            first = (c, share)
+        elif share > max(max_exchange_share, first[1]):
+            break
+        best = (count, c)
+        if c.applier_utilisation <= max_utilisation:
+            break
+    count, c = best
+    return ShardAdvice(groups, inputs.exchange_every, count, c.applier_utilisation,
+                       first[0].applier_utilisation, inputs.update_bytes / count,
+                       c.applier_utilisation <= max_utilisation)
 
 
 def paper_check(seed: int = 0, inputs: PlanInputs | None = None) -> dict[str, Any]:
