@@ -65,7 +65,10 @@ each shard's newest version as it appears and trains on the pieces joined. Every
 computes the partition from its model and K and writes it to ``partition.json`` or checks it
 against the recorded one, so a restart, a resume or an evaluation with another K or another
 model is refused rather than mixed; the record is a check, never an instruction (JSON, no code).
-With K = 1 the exchange directory is the one channel and no partition is recorded.
+Each shard's exactly-once ledger, staleness bound and backlog bound act on its own: under
+overload an update may be applied in some shards and dropped in others, as the paper's
+per-layer servers took each layer's gradient on its own. With K = 1 the exchange directory is
+the one channel and no partition is recorded.
 
 Publishing (all writers, all file kinds)
 ========================================
