@@ -225,7 +225,12 @@ class ExchangeSync:
     def _joined(self, own: list[Arrays] | None) -> Arrays:
         """Every shard's newest master part; our own part for a shard that has none yet."""
         parts = [m if m is not None else own[k] for k, m in enumerate(self.master)]
-        return self.partition.join(parts) if self.partition is not None else parts[0]
+        if self.partition is None:
+            return parts[0]
+        try:
+            return self.partition.join(parts)
+        except KeyError as exc:
+            raise ValueError(f"master weights lack the piece {exc}: not this model's") from None
 
     def unanswered(self) -> int:
         """Published updates of this group that some shard has not processed yet."""
