@@ -40,7 +40,8 @@ class Conv2D(tf.Module):
         self.b = tf.Variable(tf.zeros([c_out]), name="b")
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
+        with self.name_scope:  # op names carry the layer (conv0/...): the profile table's rows
+            return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
         return math.ceil(h / self.stride), math.ceil(w / self.stride)
@@ -81,7 +82,8 @@ class Dense(tf.Module):
         self.b = tf.Variable(tf.zeros([n_out]), name="b")
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.matmul(x, _as(self.w, x)) + _as(self.b, x)
+        with self.name_scope:
+            return tf.matmul(x, _as(self.w, x)) + _as(self.b, x)
 
     def flops(self, needs_input_grad: bool = True) -> FlopCount:
         fwd = 2 * self.n_in * self.n_out

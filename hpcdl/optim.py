@@ -22,6 +22,10 @@ class Adam(tf.Module):
         self.v = [tf.Variable(tf.zeros_like(v), trainable=False) for v in variables]
 
     def apply(self, grads: list[tf.Tensor], variables: list[tf.Variable]) -> None:
+        with self.name_scope:  # op names say "adam/": bench/profile_step.py's optimizer row
+            self._apply(grads, variables)
+
+    def _apply(self, grads: list[tf.Tensor], variables: list[tf.Variable]) -> None:
         self.iterations.assign_add(1)
         t = tf.cast(self.iterations, tf.float32)
         lr = self.learning_rate * tf.sqrt(1.0 - self.beta2**t) / (1.0 - self.beta1**t)

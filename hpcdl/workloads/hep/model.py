@@ -36,12 +36,16 @@ class HepCNN(tf.Module, Model):
         pool = self.config.pool
         x = tf.cast(x, self.compute_dtype)
         for conv in self.convs[:-1]:
-            x = tf.nn.max_pool2d(tf.nn.relu(conv(x)), pool, pool, "VALID")
+            # named per layer: grappler's fused conv + bias + ReLU op takes the ReLU's name
+            x = tf.nn.max_pool2d(tf.nn.relu(conv(x), name=f"{conv.name}_relu"), pool, pool, "VALID")
             if training and self.config.dropout > 0:
-                x = tf.nn.dropout(x, rate=self.config.dropout)
-        x = tf.nn.relu(self.convs[-1](x))
-        # the mean over 28² pixels and the logits in float32: the loss is computed in float32
+                x = self._dropout(x)
+        x = tf.nn.relu(self.convs[-1](x), name=f"{self.convs[-1].name}_relu")
+        # the global mean and the logits in float32: the loss is computed in float32
         return self.head(tf.reduce_mean(tf.cast(x, tf.float32), axis=[1, 2]))
+
+    def _dropout(self, x: tf.Tensor) -> tf.Tensor:
+        return tf.nn.dropout(x, rate=self.config.dropout)
 
     def flops(self) -> FlopCount:
         h, w, _ = self.image_shape
