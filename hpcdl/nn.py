@@ -40,6 +40,8 @@ class Conv2D(tf.Module):
         self.b = tf.Variable(tf.zeros([c_out]), name="b")
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
+        # A broadcast add, not tf.nn.bias_add: grappler fuses conv + add + ReLU into one oneDNN
+        # primitive either way, and bias_add's BiasAddGrad made the step slower (README Figures).
         with self.name_scope:  # op names carry the layer (conv0/...): the profile table's rows
             return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
 

@@ -45,6 +45,9 @@ class HepCNN(tf.Module, Model):
         return self.head(tf.reduce_mean(tf.cast(x, tf.float32), axis=[1, 2]))
 
     def _dropout(self, x: tf.Tensor) -> tf.Tensor:
+        # tf.nn.dropout's float32 uniform per element stays: a mask from 16 random bits per
+        # element (half the Philox words, no float conversion) did not make the step cheaper
+        # (bench/step_variants.py, README Figures).
         return tf.nn.dropout(x, rate=self.config.dropout)
 
     def flops(self) -> FlopCount:
