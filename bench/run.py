@@ -248,7 +248,9 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
     if do_step:
         log(f"step: tracing the HEP step at 224x224, batch {batch} (float32{', mixed_bfloat16' if mixed else ''})")
         res["first_step"] = tf.ask(op="setup", batches=[batch], precisions=["float32", *mixed])
-        if mem_available_gb() >= 5.0:
+        if not mixed:  # its plan falls back to float32: a second float32 process, no figure
+            log("step: no bfloat16 unit on this CPU: no bfloat16 (fpmath) process")
+        elif mem_available_gb() >= 5.0:
             log("step: a second process with tuning.precision = bfloat16 (oneDNN fpmath mode)")
             bf = Probe("tf-bf16", ["--role", "tf", "--image", "224", "--precision", "bfloat16"], b.logdir)
             b.data["tf_bf16"] = bf.info
@@ -944,7 +946,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         path = Path(args.compare)
         if args.compare == "latest":
-            olds = sorted(RESULTS.glob("*.json"))
+            olds = sorted(RESULTS.glob("20*.json"))  # make bench's own, not race-/profile-/variants-
             path = olds[-1] if olds else None
         previous = json.loads(path.read_text()) if path and path.is_file() else None
     text = render(b, m, previous)
