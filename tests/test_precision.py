@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -68,6 +71,27 @@ def test_check_precision_at_submit():
     climate = load_job("climate", ["run.backend=local", "tuning.precision=mixed_bfloat16"])
     with pytest.raises(JobError, match="the climate workload computes in float32 only"):
         check_precision(climate, SPR)
+
+
+@pytest.mark.skipif(read_cpuinfo().bf16, reason="this CPU has a bfloat16 unit: the rank would train")
+def test_a_rank_refuses_mixed_bfloat16_before_tensorflow_loads(hep_files, tmp_path):
+    # under SLURM submit cannot see the compute nodes' CPU: the rank is the one that refuses
+    from hpcdl.launch import RankEnv
+    from hpcdl.runs import create_run, new_run_id
+    from tests.conftest import tiny_overrides
+
+    job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs") + ["tuning.precision=mixed_bfloat16"])
+    with create_run(job, "local", run_id=new_run_id(job)) as (_staged, final):
+        pass
+    rank = RankEnv(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, hostname="localhost",
+                   group=0)
+    env = {**os.environ, **rank.to_horovod_env("127.0.0.1", 1, "")}
+    out = subprocess.run([sys.executable, "-m", "hpcdl.worker", str(final.root)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"hpcdl rank 0: tuning.precision = mixed_bfloat16 needs native bfloat16 (AVX512_BF16 or AMX), and this "
+        f"CPU ({read_cpuinfo().model}, {read_cpuinfo().vector_isa}) has neither: use float32"]
 
 
 def test_doctor_names_the_bfloat16_unit():
