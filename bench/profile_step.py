@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -210,6 +211,7 @@ def profile(args) -> dict:
     if not files:
         raise RuntimeError(f"the profiler wrote no trace under {logdir}")
     ops = parse_xplane(files[-1])
+    shutil.rmtree(logdir, ignore_errors=True)  # tens of MB per run; the table keeps what it says
     after = step.run(args.steps)  # the same steps unprofiled: the profiler's own cost
     per_class: dict[str, dict[str, float]] = {c: {"seconds": 0.0, "ops": 0} for c in CLASSES}
     by_layer: dict[tuple[str, str], float] = defaultdict(float)
