@@ -17,10 +17,9 @@ Roles:
   (HepCNN(HepModelConfig()), 5 convolutions of 128 3×3 filters) at --image², and the engine's
   training step: the workload's loss, gradient tape, hpcdl.optim's Adam. No Horovod (one rank's
   allreduce is a copy); bench/run.py's sustained figure comes from a real `hpcdl submit` run.
-  Also: TensorFlow's own matmul (float32 / bfloat16), and an explicit-bfloat16 variant of the
-  step that is NOT the engine's: a bench-only forward pass computing the same layers with
-  bfloat16 activations from float32 master weights (Keras-style mixed precision), to show what an
-  engine-level bfloat16 path would add to the fpmath mode.
+  Also: TensorFlow's own matmul (float32 / bfloat16), and the step with precision
+  "mixed_bfloat16": the same model and variables computing in bfloat16 (the engine's
+  tuning.precision = "mixed_bfloat16"), beside the fpmath mode of the --precision process.
 * ``--role eval``: score snapshots (TF checkpoints or exchange weight files) of a HEP model on an
   HDF5 file; used by the hybrid section for AUC against wall time.
 
@@ -32,6 +31,7 @@ Commands (one JSON object a line): {"op": "sgemm", "n": 4096, "reps": 2}, {"op":
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import resource
@@ -182,13 +182,15 @@ class TfProbe:
             return self.steps[precision]
         tf = self.tf
         model = self._model()
+        from hpcdl.tuning import compute_dtype
         from hpcdl.workloads.hep.workload import WORKLOAD
 
         variables, optimizer = self.variables, self.optimizer
-        if precision == "float32":
-            loss_fn = lambda batch: WORKLOAD.loss(model, batch, training=True)  # noqa: E731
-        else:
-            loss_fn = lambda batch: bf16_loss(tf, model, batch)  # noqa: E731
+        if precision == "mixed_bfloat16":
+            # the engine's mixed precision model: the same layers and variables, computing in bfloat16
+            model = copy.copy(model)
+            model.compute_dtype = tf.as_dtype(compute_dtype(precision))
+        loss_fn = lambda batch: WORKLOAD.loss(model, batch, training=True)  # noqa: E731
 
         @tf.function(reduce_retracing=True)
         def train_step(batch):  # the engine's step, minus Horovod (see the module docstring)
@@ -270,28 +272,6 @@ class TfProbe:
             r = metrics.evaluate_scores(s["score"], s["y"], s["w"])
             out.append({"path": path, "auc_weighted": r.auc_weighted, "auc_unweighted": r.auc_unweighted})
         return {"results": out}
-
-
-def bf16_loss(tf, model, batch):
-    """The HEP network's loss computed in bfloat16 from float32 weights (bench only).
-
-    Same layers and order as HepCNN.__call__ (conv → ReLU → max-pool → dropout, ×4; conv → ReLU →
-    global mean → dense), with inputs, weights and activations cast to bfloat16 and the pooled
-    features, logits and loss in float32, as Keras' 'mixed_bfloat16' policy would do.
-    """
-    x, y, w = batch
-    cfg = model.config
-    h = tf.cast(x, tf.bfloat16)
-    for conv in model.convs[:-1]:
-        h = tf.nn.conv2d(h, tf.cast(conv.w, tf.bfloat16), conv.stride, "SAME") + tf.cast(conv.b, tf.bfloat16)
-        h = tf.nn.max_pool2d(tf.nn.relu(h), cfg.pool, cfg.pool, "VALID")
-        if cfg.dropout > 0:
-            h = tf.nn.dropout(h, rate=cfg.dropout)
-    last = model.convs[-1]
-    h = tf.nn.relu(tf.nn.conv2d(h, tf.cast(last.w, tf.bfloat16), last.stride, "SAME") + tf.cast(last.b, tf.bfloat16))
-    logits = model.head(tf.reduce_mean(tf.cast(h, tf.float32), axis=[1, 2]))
-    per_event = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
-    return tf.reduce_sum(per_event * w) / tf.reduce_sum(w)
 
 
 def main() -> int:

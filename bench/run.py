@@ -10,7 +10,12 @@ sgemm      the machine's float32 matrix-multiply peak: numpy (OpenBLAS) on 4096�
 step       the HEP network of the paper (5 convolutions of 128 3×3 filters) at 224×224, batch 32,
            one rank set up exactly as hpcdl's tuning would set it up: FLOP/s of one training step
            (the engine's step minus Horovod), best and median of interleaved rounds; its ratio to
-           the sgemm peak (goal ≥ 0.7). Also a bench-only bfloat16 variant (mixed precision).
+           the sgemm peak (goal ≥ 0.7). Also tuning.precision = mixed_bfloat16's step (its
+           speed-up reported only where the CPU has a bfloat16 unit).
+profile    where one HEP step's time goes (bench/profile_step.py, TensorFlow's profiler and oneDNN's
+           own timings): per op class — convolution forward / backward by layer, pooling, ReLU and
+           bias, dropout's random numbers and mask, Adam, Horovod — its share of op time beside
+           its share of FLOPs; layout reorders from oneDNN.
 tuning     oneDNN on/off, inter-op 1 vs 2, intra-op 1 vs all cores, batch 16 vs 32: each variant
            in its own process (oneDNN and the pools are fixed when TensorFlow loads), its steps
            interleaved with the default configuration's, reported as a ratio to it.
@@ -59,7 +64,7 @@ PROBE = BENCH / "probe.py"
 RESULTS = BENCH / "results"
 HPCDL = str(Path(sys.executable).with_name("hpcdl"))
 
-SECTIONS = ("sgemm", "step", "tuning", "sustained", "reader", "exchange", "hybrid", "plan")
+SECTIONS = ("sgemm", "step", "profile", "tuning", "sustained", "reader", "exchange", "hybrid", "plan")
 GOALS = {"step": 0.7, "sustained": 0.6, "reader": 10.0}
 
 
@@ -235,10 +240,17 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
     res = b.data.setdefault("step", {"batch": batch, "rounds": []})
     tf = b.tf_probe()
     bf = None
+    from hpcdl.tuning import read_cpuinfo
+
+    # mixed_bfloat16 only where it is native: emulated it runs at ~0.1x float32 (bench/results,
+    # AVX2 EPYC) and the job option is refused there, so its step would only cost the bench time.
+    mixed = ["mixed_bfloat16"] if read_cpuinfo().bf16 else []
     if do_step:
-        log(f"step: tracing the HEP step at 224x224, batch {batch} (float32, explicit bfloat16)")
-        res["first_step"] = tf.ask(op="setup", batches=[batch], precisions=["float32", "bfloat16"])
-        if mem_available_gb() >= 5.0:
+        log(f"step: tracing the HEP step at 224x224, batch {batch} (float32{', mixed_bfloat16' if mixed else ''})")
+        res["first_step"] = tf.ask(op="setup", batches=[batch], precisions=["float32", *mixed])
+        if not mixed:  # its plan falls back to float32: a second float32 process, no figure
+            log("step: no bfloat16 unit on this CPU: no bfloat16 (fpmath) process")
+        elif mem_available_gb() >= 5.0:
             log("step: a second process with tuning.precision = bfloat16 (oneDNN fpmath mode)")
             bf = Probe("tf-bf16", ["--role", "tf", "--image", "224", "--precision", "bfloat16"], b.logdir)
             b.data["tf_bf16"] = bf.info
@@ -266,9 +278,11 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
                     fm = bf.ask(op="step", batch=batch, precision="float32", n=b.args.step_n)
                     fpmath.extend(rates(fm))
                     entry["step_fpmath"] = fm
-                ex = tf.ask(op="step", batch=batch, precision="bfloat16", n=1)
-                explicit.extend(rates(ex))
-                entry.update(step=st, step_explicit_bf16=ex)
+                entry.update(step=st)
+                if mixed:
+                    ex = tf.ask(op="step", batch=batch, precision="mixed_bfloat16", n=1)
+                    explicit.extend(rates(ex))
+                    entry.update(step_explicit_bf16=ex)
             mmb = rates(tf.ask(op="matmul", dtype="bfloat16", n=b.args.sgemm_n, reps=2, min_seconds=b.args.peak_seconds))
             mm_bf16.extend(mmb)
             res["rounds"].append(entry)
@@ -283,9 +297,9 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
           f"median {gf(median(b.sgemm))}, {len(b.sgemm)} runs", number=best(b.sgemm))
     b.row("sgemm.tf", "peak", f"TensorFlow matmul float32 {b.args.sgemm_n}² (oneDNN)", gf(best(b.tf_mm)),
           f"{best(b.tf_mm) / b.peak:.2f} of peak", f"median {gf(median(b.tf_mm))}", number=best(b.tf_mm))
-    from hpcdl.tuning import read_cpuinfo
-
-    bf16_unit = "AMX" if read_cpuinfo().vector_isa == "amx" else "AVX512_BF16"
+    cpu = read_cpuinfo()
+    # Named from the flags, not from the vector ISA: an AVX2 CPU has no bfloat16 unit at all.
+    bf16_unit = cpu.bf16_unit if cpu.bf16 else "emulated: no bfloat16 unit"
     b.row("sgemm.tf_bf16", "peak", f"TensorFlow matmul bfloat16 {b.args.sgemm_n}² ({bf16_unit})", gf(best(mm_bf16)),
           f"{best(mm_bf16) / b.peak:.2f}x fp32 peak", f"median {gf(median(mm_bf16))}", number=best(mm_bf16))
     if not steps:
@@ -307,10 +321,46 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
               number=best(fpmath))
         res["images_per_s_best"] = max(res["images_per_s_best"], best(fpmath) / fpe)
     if explicit:
-        b.row("step.bf16_explicit", "step", "same, bfloat16 activations too (bench-only forward)",
+        b.row("step.bf16_explicit", "step", f"same, tuning.precision = mixed_bfloat16 ({bf16_unit})",
               gf(best(explicit)), f"{best(explicit) / b.peak:.2f} of fp32 peak",
               f"{best(explicit) / best(steps):.2f}x float32 step, {best(explicit) / best(mm_bf16):.2f} "
               f"of bf16 matmul; median {gf(median(explicit))}", number=best(explicit))
+    elif not cpu.bf16:
+        b.row("step.bf16_explicit", "step", "same, tuning.precision = mixed_bfloat16", "not run", "",
+              "no bfloat16 unit on this CPU: the job option is refused here (emulated bfloat16)")
+
+
+def section_profile(b: Bench) -> None:
+    """bench/profile_step.py in its own process (the profiler and ONEDNN_VERBOSE are per process)."""
+    b.close_tf()  # memory, and no other TensorFlow process of ours competes with the profile
+    out = b.work / "profile.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, str(BENCH / "profile_step.py"), "--batch", str(b.args.batch), "--json", str(out)]
+    if b.args.quick:
+        cmd += ["--image", "64", "--warmup", "1", "--steps", "1"]
+    with open(b.logdir / "profile_step.log", "w") as log_file:
+        proc = subprocess.run(cmd, stdout=log_file, stderr=subprocess.STDOUT, timeout=1800)
+    if proc.returncode != 0 or not out.is_file():
+        raise BenchError(f"profile_step.py failed ({proc.returncode}); see {b.logdir / 'profile_step.log'}")
+    result = json.loads(out.read_text())
+    b.data["profile"] = result
+    p = result["profile"]
+    wall = min(p["step_seconds_unprofiled"])
+    for r in p["rows"]:
+        if r["layer"] or (r["seconds"] == 0 and not r["flop_share"]):
+            continue
+        rate = f"; {r['gflops']:.1f} GFLOP/s" if r["gflops"] else ""
+        b.row(f"profile.{r['class'].replace(' ', '_')}", "profile", f"{r['class']} (share of op time)",
+              f"{100 * r['time_share']:.1f} %", f"{100 * r['flop_share']:.1f} % of FLOPs",
+              f"{1e3 * r['seconds']:.0f} ms/step{rate}", number=r["time_share"])
+    reorder = result.get("onednn", {}).get("kinds", {}).get("reorder")
+    if reorder:
+        b.row("profile.reorder", "profile", "oneDNN layout reorders (share of oneDNN time)",
+              f"{100 * reorder['share']:.1f} %", "", f"{reorder['ms']:.0f} ms/step, {reorder['calls']:.0f} calls",
+              number=reorder["share"])
+    b.row("profile.step", "profile", f"the profiled step ({result['image']}², batch {result['batch']})",
+          f"{wall:.2f} s", "", f"op time {p['op_time_over_wall']:.2f}× wall (ops overlap on 2 inter-op "
+          f"threads); conv+bias+ReLU fused: {'yes' if p['fused_conv'] else 'no'}", number=wall)
 
 
 TUNING_VARIANTS = (
@@ -773,7 +823,8 @@ def machine() -> dict[str, Any]:
             versions[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    return {"cpu": cpu.model, "isa": cpu.vector_isa, "versions": versions, "bf16": cpu.bf16, "usable_cores": usable_cores(),
+    return {"cpu": cpu.model, "isa": cpu.vector_isa, "versions": versions, "bf16": cpu.bf16,
+            "bf16_unit": cpu.bf16_unit, "flags": " ".join(sorted(cpu.flags)), "usable_cores": usable_cores(),
             "hypervisor": virt, "host": socket.gethostname(), "python": platform.python_version(),
             "commit": commit, "mem_available_gb": round(mem_available_gb(), 1)}
 
@@ -867,6 +918,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if "sgemm" in chosen or "step" in chosen:
             run("step", section_sgemm_step, b, "sgemm" in chosen, "step" in chosen)
+        if "profile" in chosen:
+            run("profile", section_profile, b)
         if "tuning" in chosen:
             run("tuning", section_tuning, b)
         b.close_tf()
@@ -894,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         path = Path(args.compare)
         if args.compare == "latest":
-            olds = sorted(RESULTS.glob("*.json"))
+            olds = sorted(RESULTS.glob("20*.json"))  # make bench's own, not race-/profile-/variants-
             path = olds[-1] if olds else None
         previous = json.loads(path.read_text()) if path and path.is_file() else None
     text = render(b, m, previous)

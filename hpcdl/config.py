@@ -237,6 +237,12 @@ class EmulateConfig:
             raise JobError(f"emulate.seed must be >= 0, got {self.seed}")
 
 
+# float32; "bfloat16": oneDNN's BF16 fpmath mode on the float32 model (falls back to float32 where
+# the CPU has no bfloat16 unit); "mixed_bfloat16": Keras' policy, bfloat16 activations with float32
+# weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.tuning).
+PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
+
+
 @dataclass(frozen=True)
 class TuningConfig:
     """CPU settings applied before TensorFlow starts; 0 means derive from the cores a rank owns."""
@@ -246,14 +252,13 @@ class TuningConfig:
     onednn: bool = True
     kmp_blocktime: int = 0
     kmp_affinity: str = "granularity=fine,compact,1,0"
-    precision: str = "float32"  # or "bfloat16" (where the CPU has AVX512_BF16/AMX-BF16)
+    precision: str = "float32"  # see PRECISION_CHOICES
 
     def validate(self) -> None:
         for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):
             if getattr(self, name) < 0:
                 raise JobError(f"tuning.{name} must be >= 0, got {getattr(self, name)}")
-        if self.precision not in ("float32", "bfloat16"):
-            raise JobError(f"tuning.precision must be float32 or bfloat16, got {self.precision!r}")
+        _choice("tuning.precision", self.precision, PRECISION_CHOICES)
 
 
 SLURM_STOP_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")

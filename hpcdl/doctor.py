@@ -49,8 +49,7 @@ def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_tas
         "h5py": h5py.__version__,
         "cpu_model": cpu.model,
         "cpu_vector_isa": cpu.vector_isa,
-        "cpu_bfloat16": (f"yes ({', '.join(cpu.bf16_flags)})" if cpu.bf16
-                         else "no (no avx512_bf16 / amx_bf16 in /proc/cpuinfo)"),
+        "cpu_bfloat16": bf16_label(cpu),
         "usable_cores": usable,
         "usable_cores_why": (f"affinity mask {mask} CPUs" +
                              (f", cgroup quota {quota:g} CPUs" if quota is not None else ", no cgroup quota")),
@@ -87,6 +86,14 @@ def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_tas
     except Exception as exc:  # a broken Horovod build is exactly what doctor must report
         info.update({"horovod": f"unusable: {exc}", "horovod_tensorflow": False})
     return info
+
+
+def bf16_label(cpu) -> str:
+    """The CPU's bfloat16 unit as doctor and the bench name it, with the flags it comes from."""
+    if cpu.bf16:
+        return f"{cpu.bf16_unit} ({', '.join(cpu.bf16_flags)})"
+    return ("none (no avx512_bf16 / amx_bf16 in /proc/cpuinfo: bfloat16 would be emulated; "
+            "tuning.precision = mixed_bfloat16 is refused)")
 
 
 def _numpy_blas(cpu) -> dict[str, Any]:

@@ -5,7 +5,10 @@ from the shapes it sees. Counted, as the paper does: 2 FLOPs per multiply-add of
 dense layers, forward and backward. The backward pass of a layer costs one forward for the weight
 gradient plus one for the input gradient, except the first layer, whose input needs no gradient.
 Element-wise work (bias, ReLU, pooling, dropout, the optimizer) is left out: under 1 % here.
-Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s.
+Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s. Each layer
+computes in the dtype of its input, its float32 variables cast to it (Keras' autocasting): under
+`tuning.precision = "mixed_bfloat16"` the model feeds bfloat16 activations and the weights stay
+float32 master copies; in float32 the casts are no-ops.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import tensorflow as tf
 from hpcdl.flops import ZERO, FlopCount  # noqa: F401  (re-exported for layers' users)
 
 
+def _as(var: tf.Variable, x: tf.Tensor) -> tf.Tensor:
+    """The variable in x's compute dtype (its gradient flows back to the float32 variable)."""
+    return tf.cast(var, x.dtype)
 
 
 def _glorot(rng: tf.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> tf.Tensor:
@@ -34,7 +40,10 @@ class Conv2D(tf.Module):
         self.b = tf.Variable(tf.zeros([c_out]), name="b")
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.nn.conv2d(x, self.w, self.stride, "SAME") + self.b
+        # A broadcast add, not tf.nn.bias_add: grappler fuses conv + add + ReLU into one oneDNN
+        # primitive either way, and bias_add's BiasAddGrad made the step slower (README Figures).
+        with self.name_scope:  # op names carry the layer (conv0/...): the profile table's rows
+            return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:
         return math.ceil(h / self.stride), math.ceil(w / self.stride)
@@ -58,7 +67,7 @@ class Conv2DTranspose(tf.Module):
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
         shape = tf.shape(x)
         out = tf.stack([shape[0], shape[1] * self.stride, shape[2] * self.stride, self.c_out])
-        return tf.nn.conv2d_transpose(x, self.w, out, self.stride, "SAME") + self.b
+        return tf.nn.conv2d_transpose(x, _as(self.w, x), out, self.stride, "SAME") + _as(self.b, x)
 
     def flops(self, h: int, w: int, needs_input_grad: bool = True) -> FlopCount:
         # Every input pixel scatters a k×k×c_out patch: the same multiply-adds as the convolution
@@ -75,7 +84,8 @@ class Dense(tf.Module):
         self.b = tf.Variable(tf.zeros([n_out]), name="b")
 
     def __call__(self, x: tf.Tensor) -> tf.Tensor:
-        return tf.matmul(x, self.w) + self.b
+        with self.name_scope:
+            return tf.matmul(x, _as(self.w, x)) + _as(self.b, x)
 
     def flops(self, needs_input_grad: bool = True) -> FlopCount:
         fwd = 2 * self.n_in * self.n_out

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
+from hpcdl.config import Job, JobError, check_plain_text, load_job, resolve_job_path
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
+from hpcdl.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
 
 
@@ -54,6 +55,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
         cluster = scheduler.cluster_facts()
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
+    check_precision(job)
     if job.run.check_data:  # on both backends: a missing file would fail every SLURM element
         get_workload(job.workload).check_data(job)
     return Prepared(job, scheduler, dryrun, note)
@@ -123,3 +125,18 @@ def renamed(prepared: Prepared) -> Prepared:
     run = RunDir(request.run.root.parent / new_run_id(prepared.job))
     fresh = SubmitRequest(request.job, run, request.python, request.cluster)
     return Prepared(prepared.job, prepared.scheduler, prepared.scheduler.submit_dryrun(fresh), prepared.note)
+
+
+def check_precision(job: Job, cpu=None) -> None:
+    """One line if the job's tuning.precision cannot run: a workload without that compute dtype,
+    or (local backend: the ranks run on this CPU) no native bfloat16 for mixed_bfloat16. Under
+    SLURM the compute nodes' CPU is not known here; each rank checks its own (hpcdl.worker)."""
+    dtype = compute_dtype(job.tuning.precision)
+    workload = get_workload(job.workload)
+    if dtype not in workload.compute_dtypes:
+        raise JobError(f"tuning.precision = {job.tuning.precision}: the {job.workload} workload computes in "
+                       f"{', '.join(workload.compute_dtypes)} only")
+    if job.run.backend == "local":
+        refusal = precision_refusal(job.tuning, cpu or read_cpuinfo())
+        if refusal:
+            raise JobError(refusal)

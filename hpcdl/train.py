@@ -26,6 +26,7 @@ from hpcdl.config import Job
 from hpcdl.optim import make_optimizer
 from hpcdl.runs import append_jsonl, write_json_atomic
 from hpcdl.storage import attempt, report_beside, save_checkpoint
+from hpcdl.tuning import precision_policy
 
 MANIFEST = "manifest.json"
 
@@ -95,7 +96,10 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
     rank, size = hvd.rank(), hvd.size()
     input_shape = workload.input_shape(job)
-    model = workload.build_model(job.model, input_shape, seed=job.train.seed)
+    # mixed_bfloat16: the model computes in bfloat16; variables, optimizer slots, gradients as
+    # applied, checkpoints and exchange files stay float32 (the policy's variable dtype).
+    policy = precision_policy(job.tuning.precision)
+    model = workload.build_model(job.model, input_shape, seed=job.train.seed, compute_dtype=policy.compute_dtype)
     variables = [v for _, v in model.named_variables()]
     names = [n for n, _ in model.named_variables()]
     optimizer = make_optimizer(job.train.optimizer, variables, job.train.learning_rate)

@@ -21,7 +21,11 @@ The rules (all pure functions below, tested in tests/test_tuning.py):
   (to the intra-op count) for OpenMP-linked libraries a rank may load (e.g. an MKL numpy, an
   Intel TensorFlow build). KMP_AFFINITY's pinning is switched off when several ranks share one CPU
   mask: "compact" would put every rank's threads on the same first cores.
-* precision: float32 unless the job asks for bfloat16, oneDNN is on and the CPU has native bfloat16
+* precision "mixed_bfloat16": Keras' mixed precision policy — the model computes in bfloat16
+  (activations, convolutions, matmuls), weights, gradients' updates and the loss stay float32.
+  Only on a CPU with a native bfloat16 unit (CpuInfo.bf16_unit); elsewhere the job is refused
+  with one line at submit (local backend) and by each rank before TensorFlow loads.
+* precision "bfloat16": float32 unless oneDNN is on and the CPU has native bfloat16
   arithmetic (AVX512_BF16 or AMX-BF16 in /proc/cpuinfo); otherwise the plan falls back to float32
   and says why. bfloat16 is oneDNN's "fpmath mode" (TF_SET_ONEDNN_FPMATH_MODE=BF16, and oneDNN's
   own ONEDNN_DEFAULT_FPMATH_MODE): tensors and variables stay float32, and oneDNN computes
@@ -65,6 +69,16 @@ class CpuInfo:
     def bf16(self) -> bool:
         """Native bfloat16 arithmetic (AVX512_BF16 dot products or AMX-BF16 tiles)."""
         return bool(self.bf16_flags)
+
+    @property
+    def bf16_unit(self) -> str:
+        """The unit that does bfloat16 natively: 'AMX' (amx_bf16 tiles), 'AVX512_BF16' (dot
+        products in AVX-512 registers), or 'none' (bfloat16 would be emulated in float32)."""
+        if "amx_bf16" in self.flags:
+            return "AMX"
+        if "avx512_bf16" in self.flags:
+            return "AVX512_BF16"
+        return "none"
 
     @property
     def vector_isa(self) -> str:
@@ -272,6 +286,13 @@ def plan_inter_op(tuning: TuningConfig, cores: int) -> tuple[int, str]:
 
 def plan_precision(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[str, str]:
     wanted = getattr(tuning, "precision", "float32")
+    if wanted == "mixed_bfloat16":
+        if cpu is None:
+            return wanted, f"{_setting(tuning, 'precision')} (CPU not checked)"
+        if cpu.bf16:
+            return wanted, (f"{_setting(tuning, 'precision')}; the CPU's bfloat16 unit: {cpu.bf16_unit} "
+                            "(bfloat16 activations, float32 weights and loss)")
+        return "float32", f"refused: {precision_refusal(tuning, cpu)}"
     if wanted != "bfloat16":
         return "float32", _setting(tuning, "precision")
     if not tuning.onednn:
@@ -284,6 +305,30 @@ def plan_precision(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[str, str]
                             "oneDNN fpmath mode BF16")
     return "float32", (f"{_setting(tuning, 'precision')}, but this CPU lacks AVX512_BF16/AMX-BF16 "
                        "(bfloat16 would be emulated, slower than float32): float32")
+
+
+def precision_refusal(tuning: TuningConfig, cpu: CpuInfo) -> str | None:
+    """One line why `tuning.precision` cannot run on `cpu`, or None.
+
+    Only mixed_bfloat16 is refused: it changes the model's compute dtype, and without a native
+    bfloat16 unit TensorFlow emulates every bfloat16 convolution in float32 at a fraction of the
+    float32 speed (bench/results: 0.09x on an AVX2 EPYC). 'bfloat16' (oneDNN's fpmath mode)
+    leaves the model float32 and falls back to exactly float32 instead (see plan_precision).
+    """
+    if tuning.precision != "mixed_bfloat16" or cpu.bf16:
+        return None
+    return (f"tuning.precision = mixed_bfloat16 needs native bfloat16 (AVX512_BF16 or AMX), and this "
+            f"CPU ({cpu.model}, {cpu.vector_isa}) has neither: use float32")
+
+
+def precision_policy(precision: str):
+    """Keras' mixed precision policy for a `tuning.precision` value: its compute_dtype is what the
+    model computes in, its variable_dtype what the weights (and so the optimizer and the exchange)
+    keep. mixed_bfloat16: bfloat16 activations and matmuls, float32 master weights. 'bfloat16'
+    (fpmath) and float32 keep a float32 model. Imports Keras (so TensorFlow)."""
+    from keras import mixed_precision
+
+    return mixed_precision.DTypePolicy("mixed_bfloat16" if precision == "mixed_bfloat16" else "float32")
 
 
 def plan_affinity(tuning: TuningConfig, cores: int, mask: int, ranks_on_host: int) -> tuple[str, str]:
@@ -339,9 +384,11 @@ def configure_tensorflow(plan: ThreadPlan) -> None:
     tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op)
 
 
-def compute_dtype(plan_or_tuning) -> str:
-    """'bfloat16' or 'float32': the dtype a model should compute in (variables stay float32)."""
-    return getattr(plan_or_tuning, "precision", "float32")
+def compute_dtype(precision: str) -> str:
+    """The dtype a model computes in for a `tuning.precision` value (variables stay float32):
+    bfloat16 for mixed_bfloat16 only; oneDNN's fpmath 'bfloat16' keeps float32 tensors. The same
+    as precision_policy(precision).compute_dtype, without importing Keras."""
+    return "bfloat16" if precision == "mixed_bfloat16" else "float32"
 
 
 def onednn_enabled() -> bool | None:

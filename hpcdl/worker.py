@@ -26,7 +26,7 @@ from typing import Callable
 
 from hpcdl.launch import RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
-from hpcdl.tuning import plan_for_this_process
+from hpcdl.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 
 STATS_WAIT_S = 3600.0
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
@@ -185,6 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     # The local backend runs every rank of every group on this host; under SLURM a node holds
     # its group's ranks_per_node.
     on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
+    # Before TensorFlow loads: mixed_bfloat16 on a node without a bfloat16 unit would run every
+    # convolution emulated (submit checked only the local backend's CPU).
+    refusal = precision_refusal(job.tuning, read_cpuinfo())
+    if refusal:
+        print(f"hpcdl rank {rank_env.rank}: {refusal}", file=sys.stderr, flush=True)
+        return 2
     plan = plan_for_this_process(job.tuning, on_host, os.environ, slurm_task=args.slurm)
     os.environ.update(plan.environment())
     print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
+from hpcdl.tuning import read_cpuinfo
 from tests.conftest import set_args, tiny_overrides
 
 
@@ -44,6 +45,14 @@ def test_submit_rejects_bad_arguments(runner, hep_files, tmp_path, extra, fragme
     runs = tmp_path / "runs"
     code, output = run_cli(runner, submit_args(hep_files, runs, *extra))
     assert_usage_error(code, output, fragment)
+    assert not runs.exists() or list(runs.iterdir()) == []
+
+
+@pytest.mark.skipif(read_cpuinfo().bf16, reason="this CPU has a bfloat16 unit: mixed_bfloat16 would run")
+def test_submit_refuses_mixed_bfloat16_without_a_bfloat16_unit(runner, hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    code, output = run_cli(runner, submit_args(hep_files, runs, overrides=["tuning.precision=mixed_bfloat16"]))
+    assert_usage_error(code, output, "tuning.precision = mixed_bfloat16 needs native bfloat16 (AVX512_BF16 or AMX)")
     assert not runs.exists() or list(runs.iterdir()) == []
 
 

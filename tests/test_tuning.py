@@ -15,6 +15,7 @@ from hpcdl.tuning import (
     parse_cpuinfo,
     plan_for_this_process,
     plan_threads,
+    precision_refusal,
     read_cpuinfo,
     usable_cores,
 )
@@ -30,6 +31,15 @@ processor\t: 1
 model name\t: something else
 flags\t\t: fpu
 """
+# The flags line of the 2-core AMD EPYC (KVM) the bench ran on: AVX2 and FMA, no AVX-512, no bf16.
+EPYC_AVX2_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid extd_apicid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch osvw topoext vmmcall fsgsbase tsc_adjust bmi1 avx2 smep bmi2 erms invpcid rdseed adx smap clflushopt clwb sha_ni xsaveopt xsavec xgetbv1 xsaves clzero xsaveerptr arat umip vaes vpclmulqdq rdpid fsrm
+"""
+# Zen 4: AVX-512 with AVX512_BF16, no AMX.
+ZEN4_FLAGS = "fpu sse sse2 avx fma avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_bf16 avx512_vnni"
+EPYC_AVX2 = parse_cpuinfo(EPYC_AVX2_CPUINFO)
 SKX = CpuInfo("Skylake", frozenset("avx2 fma avx512f avx512dq avx512cd avx512bw avx512vl".split()))
 HSW = CpuInfo("Haswell", frozenset("avx avx2 fma".split()))
 OLD = CpuInfo("old", frozenset("sse sse2".split()))
@@ -57,6 +67,35 @@ def test_parse_cpuinfo_arm_and_empty():
                                             (CpuInfo("cpx", SKX.flags | {"avx512_bf16"}), "avx512", True)])
 def test_vector_isa_and_bf16(cpu, isa, bf16):
     assert cpu.vector_isa == isa and cpu.bf16 is bf16
+
+
+@pytest.mark.parametrize("text, isa, unit", [
+    (EPYC_AVX2_CPUINFO, "avx2", "none"),  # the bench once called this one's bfloat16 "AVX512_BF16"
+    (f"model name\t: AMD EPYC 9654\nflags\t\t: {ZEN4_FLAGS}\n", "avx512", "AVX512_BF16"),
+    (CPUINFO, "amx", "AMX"),  # Sapphire Rapids has both; AMX is the one oneDNN uses
+    ("processor\t: 0\nFeatures\t: fp asimd bf16 sve\n", None, "none"),  # Grace: no x86 unit
+])
+def test_bf16_unit_is_named_from_the_flags(text, isa, unit):
+    cpu = parse_cpuinfo(text)
+    assert (cpu.bf16_unit, cpu.bf16) == (unit, unit != "none")
+    if isa:
+        assert cpu.vector_isa == isa
+
+
+def test_mixed_bfloat16_is_refused_without_a_bfloat16_unit():
+    refusal = precision_refusal(TuningConfig(precision="mixed_bfloat16"), EPYC_AVX2)
+    assert refusal == ("tuning.precision = mixed_bfloat16 needs native bfloat16 (AVX512_BF16 or AMX), "
+                       "and this CPU (AMD EPYC, avx2) has neither: use float32")
+    assert precision_refusal(TuningConfig(precision="mixed_bfloat16"), SPR) is None
+    assert precision_refusal(TuningConfig(precision="float32"), EPYC_AVX2) is None
+    # the fpmath mode keeps a float32 model and falls back to float32 instead (test_precision)
+    assert precision_refusal(TuningConfig(precision="bfloat16"), EPYC_AVX2) is None
+    plan = plan_threads(TuningConfig(precision="mixed_bfloat16"), 2, "x", cpu=EPYC_AVX2)
+    assert plan.precision == "float32" and plan.why("precision").startswith("refused: ")
+    native = plan_threads(TuningConfig(precision="mixed_bfloat16"), 2, "x", cpu=SPR)
+    assert native.precision == "mixed_bfloat16" and "bfloat16 unit: AMX" in native.why("precision")
+    # mixed precision is Keras' policy in the model, not oneDNN's fpmath mode
+    assert native.environment()["ONEDNN_DEFAULT_FPMATH_MODE"] == "STRICT"
 
 
 def test_openblas_coretype():
@@ -206,7 +245,9 @@ def test_bfloat16_is_onednn_fpmath_mode():
 def test_precision_is_validated_in_the_job():
     assert load_job("hep", ["tuning.precision=bfloat16"]).tuning.precision == "bfloat16"
     assert load_job("hep").tuning.precision == "float32"
-    with pytest.raises(JobError, match="tuning.precision must be float32 or bfloat16"):
+    assert load_job("hep", ["tuning.precision=mixed_bfloat16"]).tuning.precision == "mixed_bfloat16"
+    with pytest.raises(JobError, match="^tuning.precision must be one of float32, bfloat16, mixed_bfloat16; "
+                                       "got 'float16'$"):
         load_job("hep", ["tuning.precision=float16"])
 
 

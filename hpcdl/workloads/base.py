@@ -32,6 +32,8 @@ class Workload(ABC):
     name: str
     DataConfig: type
     ModelConfig: type
+    # Compute dtypes build_model accepts (Keras policy compute_dtype; the variables stay float32).
+    compute_dtypes: tuple[str, ...] = ("float32",)
 
     @abstractmethod
     def check_data(self, job) -> None:
@@ -46,8 +48,8 @@ class Workload(ABC):
         """Shape of one example as the model sees it (H, W, C)."""
 
     @abstractmethod
-    def build_model(self, model_config, input_shape: tuple[int, ...], seed: int):
-        """A fresh model (see `Model`)."""
+    def build_model(self, model_config, input_shape: tuple[int, ...], seed: int, compute_dtype: str = "float32"):
+        """A fresh model (see `Model`) computing in `compute_dtype` (one of `compute_dtypes`)."""
 
     @abstractmethod
     def train_batches(self, job, stats: dict[str, Any], shard: int, shards: int, seed: int) -> Iterator[tuple]:

@@ -53,9 +53,11 @@ class ClimateWorkload(Workload):
         h, w = cdata.Preprocess.from_config(job.data).output_hw(cf.height, cf.width, cf.path)
         return h, w, len(cdata.CHANNELS)
 
-    def build_model(self, model_config, input_shape, seed: int):
+    def build_model(self, model_config, input_shape, seed: int, compute_dtype: str = "float32"):
         from hpcdl.workloads.climate.model import ClimateNet
 
+        if compute_dtype not in self.compute_dtypes:  # submit refuses first (hpcdl.submit)
+            raise ValueError(f"the climate network computes in float32 only, not {compute_dtype}")
         return ClimateNet(model_config, tuple(input_shape), seed=seed)
 
     def train_batches(self, job, stats, shard: int, shards: int, seed: int) -> Iterator[tuple]:

@@ -22,6 +22,7 @@ class HepWorkload(Workload):
     name = "hep"
     DataConfig = HepDataConfig
     ModelConfig = HepModelConfig
+    compute_dtypes = ("float32", "bfloat16")
 
     def check_data(self, job) -> None:
         try:
@@ -40,10 +41,10 @@ class HepWorkload(Workload):
     def input_shape(self, job) -> tuple[int, int, int]:
         return tuple(hepdata.open_hep(job.data.train).image_shape)
 
-    def build_model(self, model_config, input_shape, seed: int):
+    def build_model(self, model_config, input_shape, seed: int, compute_dtype: str = "float32"):
         from hpcdl.workloads.hep.model import HepCNN
 
-        return HepCNN(model_config, tuple(input_shape), seed=seed)
+        return HepCNN(model_config, tuple(input_shape), seed=seed, compute_dtype=compute_dtype)
 
     def train_batches(self, job, stats, shard: int, shards: int, seed: int) -> Iterator[tuple]:
         norm = hepdata.Normalization.from_dict(stats)
