@@ -52,7 +52,7 @@ def test_two_groups_under_mpirun_and_the_applier_train_to_the_end(mpi_horovod, h
 
 @pytest.mark.mpi
 def test_a_cancel_reaches_the_ranks_through_mpirun_and_they_checkpoint(mpi_horovod, hep_files, tmp_path):
-    """mpirun kills its ranks a second after a SIGTERM; the supervisor sends SIGUSR1, which
+    """mpirun kills its ranks a few seconds after a SIGTERM; the supervisor sends SIGUSR1, which
     mpirun passes on, so the group agrees on a step and checkpoints there."""
     runs = tmp_path / "runs"
     out = json.loads(hpcdl("submit", "hep", "--detach", "--json", "--nodes", "2",

@@ -3,10 +3,11 @@
 Each group is its own Horovod world. With `run.controller = "gloo"` the supervisor starts one
 Horovod HTTP rendezvous per group and the group's ranks as `python -m hpcdl.worker RUN` with
 Horovod's variables set (no ssh, no horovodrun); with `"mpi"` it starts one `mpirun` per group
-(`python -m hpcdl.worker RUN --mpi` under it) and no rendezvous. When the exchange is on, the applier runs as one more process. A group whose rank
-dies is stopped whole and started again (bounded retries, growing backoff); it resumes from its
-newest checkpoint and the newest master weights. The supervisor publishes its view to
-`scheduler/local.json`, so `hpcdl status` and `hpcdl cancel` work from any shell.
+(`python -m hpcdl.worker RUN --mpi` under it) and no rendezvous. When the exchange is on, the
+applier runs as one more process. A group whose rank dies is stopped whole and started again
+(bounded retries, growing backoff); it resumes from its newest checkpoint and the newest master
+weights. The supervisor publishes its view to `scheduler/local.json`, so `hpcdl status` and
+`hpcdl cancel` work from any shell.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class GroupProcs:
     next_start: float = 0.0
     exit_codes: list[int | None] = field(default_factory=list)
     # How to ask the processes to checkpoint and stop: the ranks take SIGTERM; mpirun would kill
-    # its ranks a second after a SIGTERM, but passes SIGUSR1 on to them.
+    # its ranks a few seconds after a SIGTERM (its man page), but passes SIGUSR1 on to them.
     stop_signal: int = signal.SIGTERM
 
 
@@ -259,6 +260,11 @@ def _terminate(procs: list[subprocess.Popen], grace: float = 5.0,
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            try:  # mpirun leads a session of its own: its ranks go with it
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.kill()
             p.wait()
 
