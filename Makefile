@@ -11,13 +11,17 @@ GROUP_SIZE ?= 1
 STEPS  ?= 600
 # The paper's network is 128 filters wide (the job default); 32 keeps `make run` to minutes on 2 cores.
 FILTERS ?= 32
+# MPI=1: build Horovod with MPI beside Gloo (run.controller = "mpi"; README, Installation).
+MPI ?= 0
+INSTALLED := $(VENV)/.installed$(if $(filter 1,$(MPI)),-mpi)
 
 .PHONY: install run test test-fast bench clean
 
-install: $(VENV)/.installed
+install: $(INSTALLED)
 
-$(VENV)/.installed: pyproject.toml scripts/install.sh
-	VENV=$(VENV) PYTHON=$(PYTHON) bash scripts/install.sh
+# An MPI build serves both controllers, so a later plain `make install` keeps it.
+$(VENV)/.installed $(VENV)/.installed-mpi: pyproject.toml scripts/install.sh
+	VENV=$(VENV) PYTHON=$(PYTHON) HPCDL_MPI=$(if $(filter %-mpi,$@),1,0) bash scripts/install.sh
 
 # Generate a small synthetic HEP set, train $(NODES) ranks in groups of $(GROUP_SIZE) with the applier
 # between them on this machine, then score the master weights against the physics selection.
@@ -27,9 +31,10 @@ run: install
 	    --set 'data.train="$(DATA)/train.h5"' --set 'data.test="$(DATA)/test.h5"' --set 'data.val="$(DATA)/val.h5"'
 	$(HPCDL) evaluate --data $(DATA)/test.h5
 
-# The whole suite, SLURM integration tests included (they start a real local cluster).
-test: install
-	VENV=$(VENV) bash scripts/test.sh
+# The whole suite, SLURM and MPI integration tests included (they start a real local cluster and
+# real mpirun/srun --mpi jobs), so it installs the MPI build and fails where MPI cannot run.
+test: $(VENV)/.installed-mpi
+	HPCDL_REQUIRE_MPI=1 VENV=$(VENV) bash scripts/test.sh
 
 # Unit tests only: no SLURM daemons, no long training.
 test-fast: install

@@ -30,6 +30,10 @@ exchange   update files (the HEP gradient, HMAC-signed, fsynced) written and rea
            step; bench/exchange_load.py's applier figures if that script is present.
 hybrid     bench/hybrid_race.py --quick on scenarios a and b (8 ranks as 1×8 synchronous and as
            hybrid groups, emulated stragglers, time to validation AUC 0.90): its table's rows.
+allreduce  Horovod's allreduce of the HEP gradient (2.38 MB) inside a 4-rank group on this machine,
+           Gloo beside MPI (Open MPI over TCP loopback, like Gloo, and over its default shared
+           memory), each round a fresh group per controller, rounds alternating (bench/allreduce.py).
+           Loopback: this compares the controllers' software overheads, not networks.
 plan       the scale planner fed this run's measured node rate and exchange bandwidth.
 
 The machine is shared and noisy: measurements that are compared are taken side by side, in
@@ -64,7 +68,7 @@ PROBE = BENCH / "probe.py"
 RESULTS = BENCH / "results"
 HPCDL = str(Path(sys.executable).with_name("hpcdl"))
 
-SECTIONS = ("sgemm", "step", "profile", "tuning", "sustained", "reader", "exchange", "hybrid", "plan")
+SECTIONS = ("sgemm", "step", "profile", "tuning", "sustained", "reader", "exchange", "hybrid", "allreduce", "plan")
 GOALS = {"step": 0.7, "sustained": 0.6, "reader": 10.0}
 
 
@@ -765,6 +769,84 @@ def section_hybrid(b: Bench) -> None:
                   f"{race['target_auc']}", value, ratio, "emulated stragglers, 1 seed", number=t)
 
 
+ALLREDUCE_RANKS = 4
+# name -> (controller, extra environment, what the row says)
+ALLREDUCE_CONFIGS = {
+    "gloo": ("gloo", {}, "Gloo (TCP loopback)"),
+    "mpi_tcp": ("mpi", {"OMPI_MCA_btl": "self,tcp"}, "MPI, Open MPI over TCP loopback"),
+    "mpi": ("mpi", {}, "MPI, Open MPI's default transport (shared memory)"),
+}
+
+
+def allreduce_round(b: Bench, name: str, reps: int) -> list[float]:
+    """One fresh 4-rank group of bench/allreduce.py under one controller: rank 0's timings."""
+    from hpcdl.launch import find_mpi_launcher, local_group, start_rendezvous, worker_environ
+
+    controller, extra, _ = ALLREDUCE_CONFIGS[name]
+    argv = [sys.executable, str(BENCH / "allreduce.py"), "--reps", str(reps)]
+    envs = local_group(0, ALLREDUCE_RANKS)
+    base = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", "OMP_NUM_THREADS": "1", **extra}
+    server = None
+    with open(b.logdir / f"allreduce-{name}.log", "a") as err:
+        if controller == "gloo":
+            server, port = start_rendezvous(envs)
+            procs = [subprocess.Popen(argv, env=worker_environ(base, e.to_horovod_env("127.0.0.1", port, iface="lo")),
+                                      stdout=subprocess.PIPE, stderr=err, text=True) for e in envs]
+        else:
+            launcher = find_mpi_launcher()
+            if os.geteuid() == 0:  # this bench as root (a container): Open MPI's consent, here only
+                base.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+            procs = [subprocess.Popen(launcher.command(ALLREDUCE_RANKS, argv),
+                                      env=worker_environ(base, envs[0].to_mpi_env()),
+                                      stdout=subprocess.PIPE, stderr=err, text=True)]
+        try:
+            outs = [p.communicate(timeout=600)[0] for p in procs]
+        finally:
+            if server is not None:
+                server.stop()
+    if any(p.returncode for p in procs):
+        raise BenchError(f"allreduce under {name} failed; see {b.logdir / f'allreduce-{name}.log'}")
+    for out in outs:
+        for line in out.splitlines():
+            if line.startswith("@@ "):
+                return json.loads(line[3:])["seconds"]
+    raise BenchError(f"allreduce under {name}: rank 0 printed no timings")
+
+
+def section_allreduce(b: Bench) -> None:
+    from hpcdl.launch import find_mpi_launcher
+
+    launcher = find_mpi_launcher()
+    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],
+                           capture_output=True, text=True)
+    names = ["gloo"]
+    if launcher and launcher.open_mpi and probe.stdout.strip().endswith("True"):
+        names += ["mpi_tcp", "mpi"]
+    else:
+        b.row("allreduce.mpi", "allreduce", "MPI beside Gloo", "not measured", "",
+              "needs Horovod built with MPI (make install MPI=1) and Open MPI's mpirun")
+    reps = 10 if b.args.quick else 20
+    per_round: dict[str, list[float]] = {n: [] for n in names}
+    samples: dict[str, list[list[float]]] = {n: [] for n in names}
+    for r in range(b.args.rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):  # alternate who goes first
+            seconds = allreduce_round(b, name, reps)
+            samples[name].append(seconds)
+            per_round[name].append(statistics.median(seconds))
+    b.data["allreduce"] = {"ranks": ALLREDUCE_RANKS, "bytes": 2_376_712, "reps": reps, "samples_s": samples,
+                           "round_medians_s": per_round, "mpi_launcher": launcher.path if launcher else None}
+    gloo = median(per_round["gloo"])
+    for name in names:
+        rounds = per_round[name]
+        ms = lambda x: f"{1e3 * x:.1f}"  # noqa: E731
+        ratio = "" if name == "gloo" else f"{gloo / median(rounds):.2f}× Gloo's speed"
+        b.row(f"allreduce.{name}", "allreduce",
+              f"HEP gradient (2.38 MB) allreduce, {ALLREDUCE_RANKS}-rank group, {ALLREDUCE_CONFIGS[name][2]}",
+              f"{ms(median(rounds))} ms", ratio,
+              f"median of {len(rounds)} rounds' medians (rounds {ms(min(rounds))}–{ms(max(rounds))} ms, "
+              f"{reps} each); loopback: software overheads, not networks", number=median(rounds))
+
+
 def section_plan(b: Bench) -> None:
     from hpcdl.perf.planner import PlanInputs, plan
 
@@ -933,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
             run("exchange", section_exchange_files, b)
             run("exchange-overhead", section_exchange_overhead, b)
             run("exchange-load", section_exchange_load, b)
+        if "allreduce" in chosen:
+            run("allreduce", section_allreduce, b)
         if "plan" in chosen:
             run("plan", section_plan, b)
     except KeyboardInterrupt:

@@ -26,6 +26,9 @@ JOBS_DIR = shipped_dir("jobs")
 
 MAX_SHARDS = 256  # appliers of one run; far beyond where one file per shard per exchange pays
 BACKEND_CHOICES = ("auto", "local", "slurm")  # auto: SLURM where it answers, else this machine
+# Inside a group: Gloo (TCP and an HTTP rendezvous hpcdl runs; no MPI needed) or MPI (one MPI job
+# per group, started by srun --mpi=<slurm.mpi> or, locally, mpirun; Horovod built with MPI).
+CONTROLLER_CHOICES = ("gloo", "mpi")
 
 
 class JobError(ValueError):
@@ -52,6 +55,7 @@ class RunConfig:
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
+    controller: str = "gloo"  # how a group's ranks talk: gloo or mpi (CONTROLLER_CHOICES)
 
     def validate(self) -> None:
         check_plain_text("run.runs_dir", self.runs_dir)
@@ -68,6 +72,7 @@ class RunConfig:
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
             )
         _choice("run.backend", self.backend, BACKEND_CHOICES)
+        _choice("run.controller", self.controller, CONTROLLER_CHOICES)
 
     @property
     def nodes_per_group(self) -> int:
@@ -282,8 +287,12 @@ class SlurmConfig:
     template_dir: str = ""
     rendezvous_host: str = ""  # empty: the batch host's name; the ranks must reach it
     gloo_iface: str = ""  # network interface for Gloo (e.g. ib0); empty: Gloo's choice
+    mpi: str = "pmix"  # run.controller = "mpi": srun --mpi=<this> (pmix, pmi2, pmix_v4: srun --mpi=list)
 
     def validate(self) -> None:
+        if not re.fullmatch(r"[a-z][a-z0-9_]{0,31}", self.mpi):
+            raise JobError(f"slurm.mpi must name an srun MPI plugin (e.g. pmix, pmi2; srun --mpi=list), "
+                           f"got {self.mpi!r}")
         if self.cpus_per_task < 0:
             raise JobError(f"slurm.cpus_per_task must be >= 0, got {self.cpus_per_task}")
         if self.signal_seconds < 0:

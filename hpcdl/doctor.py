@@ -83,8 +83,15 @@ def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_tas
             "horovod_gloo": bool(hvd.gloo_built()),
             "horovod_mpi": bool(hvd.mpi_built()),
         })
+        if not hvd.mpi_built():
+            info["horovod_mpi_why"] = 'built without MPI: run.controller = "mpi" needs `make install MPI=1`'
     except Exception as exc:  # a broken Horovod build is exactly what doctor must report
         info.update({"horovod": f"unusable: {exc}", "horovod_tensorflow": False})
+    from hpcdl.launch import find_mpi_launcher
+
+    launcher = find_mpi_launcher()
+    info["mpi_launcher"] = (f"{launcher.path} ({'Open MPI' if launcher.open_mpi else 'not Open MPI'})" if launcher
+                            else 'none on PATH (the local backend\'s run.controller = "mpi" needs mpirun)')
     return info
 
 

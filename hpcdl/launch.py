@@ -1,15 +1,20 @@
 """Rank bootstrap: where a process sits in its group, as Horovod's environment, without ssh.
 
-Each synchronous group is its own Gloo world with its own HTTP rendezvous, so ranks of different
-groups never share a collective. Mapping a scheduler's variables to Horovod's is parsing, kept
-pure: `RankEnv.from_slurm(environ)` and `RankEnv.to_horovod_env(...)` return values and write
-nothing; only `start_rendezvous` has a side effect (a listening thread in the caller).
+Each synchronous group is its own Horovod world, so ranks of different groups never share a
+collective. With `run.controller = "gloo"` a world is a Gloo ring with its own HTTP rendezvous;
+with `"mpi"` it is one MPI job (srun --mpi=<slurm.mpi>, or a local mpirun per group) and Horovod
+reads rank and size from MPI itself. Mapping a launcher's variables to Horovod's is parsing, kept
+pure: `RankEnv.from_slurm(environ)`, `from_mpi`, `to_horovod_env(...)` and `to_mpi_env()` return
+values and write nothing; `start_rendezvous` (a listening thread in the caller) and the probes of
+this machine (`find_mpi_launcher`, `horovod_has_mpi`) are the only side effects.
 """
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Callable, Mapping
 
 
 class LaunchError(RuntimeError):
@@ -101,6 +106,48 @@ class RankEnv:
             env["HOROVOD_GLOO_IFACE"] = iface
         return env
 
+    @classmethod
+    def from_mpi(cls, env: Mapping[str, str], hostname: str) -> "RankEnv":
+        """Read a local MPI launcher's variables: Open MPI's mpirun (OMPI_COMM_WORLD_*) or
+        MPICH/Hydra's mpiexec (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS); the group
+        comes from HPCDL_GROUP, set by the local supervisor."""
+        names = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                  "OMPI_COMM_WORLD_LOCAL_SIZE")
+                 if "OMPI_COMM_WORLD_RANK" in env else
+                 ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+        values = []
+        for name in names:
+            value = env.get(name)
+            if value is None:
+                raise LaunchError(f"{name} is not set: start ranks with hpcdl (run.controller = \"mpi\" "
+                                  "runs them under mpirun)")
+            try:
+                values.append(int(value))
+            except ValueError:
+                raise LaunchError(f"{name}={value!r} is not an integer") from None
+        rank, size, local_rank, local_size = values
+        if not 0 < local_size <= size or size % local_size:
+            raise LaunchError(f"{names[3]}={local_size} does not divide {names[1]}={size}")
+        return cls(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                   cross_rank=rank // local_size, cross_size=size // local_size, hostname=hostname,
+                   group=int(env.get("HPCDL_GROUP", "0")))
+
+    def to_mpi_env(self) -> dict[str, str]:
+        """Horovod's variables for the MPI controller: Horovod takes rank, size and the local
+        ranks from MPI_COMM_WORLD, so only the controller and the group are set; no rendezvous."""
+        return {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi", "HPCDL_GROUP": str(self.group)}
+
+    def check_mpi_world(self, rank: int, size: int) -> None:
+        """After hvd.init() over MPI: MPI's view of this rank must be the launcher's. A rank that
+        sees itself as 0 of 1 was started without MPI's wire-up (srun without a --mpi plugin this
+        MPI speaks) and would train alone."""
+        if (rank, size) != (self.rank, self.size):
+            raise LaunchError(
+                f"MPI sees this rank as {rank} of {size}, the launcher started it as {self.rank} of "
+                f"{self.size}: the group's ranks are not one MPI job (HINT: slurm.mpi must be an srun "
+                "--mpi plugin that this MPI supports, e.g. pmix for Open MPI; srun --mpi=list)"
+            )
+
 
 def local_group(group: int, ranks: int, hostname: str = "localhost") -> list[RankEnv]:
     """All ranks of one group on this machine: one host, `ranks` slots."""
@@ -190,6 +237,71 @@ def start_rendezvous(envs: list[RankEnv]):
     port = server.start()
     server.init(host_plan(envs))
     return server, port
+
+
+@dataclass(frozen=True)
+class MpiLauncher:
+    """The local backend's MPI launcher (run.controller = "mpi"): one per group, all its ranks here."""
+
+    path: str
+    open_mpi: bool  # Open MPI's mpirun, whose flags differ from MPICH/Hydra's mpiexec
+
+    def command(self, ranks: int, argv: list[str]) -> list[str]:
+        if self.open_mpi:
+            # More ranks than cores must be allowed (tests, small hybrid runs); no binding: Open MPI
+            # binds each rank to a core by default, every group's rank 0 to the same core, and
+            # hpcdl's thread plan (hpcdl.tuning) already sizes each rank's threads.
+            return [self.path, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", *argv]
+        return [self.path, "-n", str(ranks), *argv]
+
+
+def find_mpi_launcher(which: Callable[[str], str | None] = shutil.which) -> MpiLauncher | None:
+    """mpirun (or mpiexec) on PATH, and whether it is Open MPI's; None when there is neither."""
+    for name in ("mpirun", "mpiexec"):
+        path = which(name)
+        if path:
+            try:
+                said = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+                version = said.stdout + said.stderr
+            except (OSError, subprocess.TimeoutExpired):
+                version = ""
+            return MpiLauncher(path, is_open_mpi(version))
+    return None
+
+
+def is_open_mpi(version_text: str) -> bool:
+    """`mpirun --version` of Open MPI says "mpirun (Open MPI) 4.1.4" (ORTE's "Open RTE" before 2.0)."""
+    return "Open MPI" in version_text or "Open RTE" in version_text
+
+
+def open_mpi_root_allowed(env: Mapping[str, str]) -> bool:
+    """Open MPI's mpirun refuses to run as root unless both of its variables say so."""
+    return env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and env.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1"
+
+
+def horovod_has_mpi() -> bool:
+    """Whether the installed Horovod was built with MPI (`hpcdl doctor` shows it too).
+
+    Asked of Horovod's TensorFlow library through ctypes, as horovod.common.basics does once
+    TensorFlow is imported: TensorFlow's two shared libraries are loaded, not its Python (half a
+    second rather than ten on a busy login node). Anything unexpected: the import, and its answer.
+    """
+    import ctypes
+    import glob
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        tf_dir = Path(importlib.util.find_spec("tensorflow").origin).parent
+        for name in ("libtensorflow_framework.so.2", "libtensorflow_cc.so.2"):
+            ctypes.CDLL(str(tf_dir / name), mode=ctypes.RTLD_GLOBAL)
+        hvd_dir = Path(importlib.util.find_spec("horovod").origin).parent
+        (library,) = glob.glob(str(hvd_dir / "tensorflow" / "mpi_lib*.so"))
+        return bool(ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL).horovod_mpi_built())
+    except (AttributeError, OSError, TypeError, ValueError):
+        import horovod.tensorflow as hvd
+
+        return bool(hvd.mpi_built())
 
 
 def worker_environ(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

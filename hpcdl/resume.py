@@ -85,7 +85,7 @@ def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executab
         raise JobError(f"every group of {run.run_id} has reached train.steps = {job.train.steps}: "
                        "resume with --set train.steps=N (more) to train longer")
     scheduler = get_scheduler(job.run.backend)
-    dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, scheduler.cluster_facts()))
+    dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, scheduler.cluster_facts(job)))
     if job.run.check_data:
         from hpcdl.workloads import get_workload
 

@@ -8,6 +8,7 @@
       groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
       groups/<g>/state.json      the group's last known state (published atomically)
       groups/<g>/rank<r>.log     each rank's stdout/stderr
+      groups/<g>/mpirun.log      the local MPI launcher's own output (run.controller = "mpi")
       groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
       checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
       tensorboard/<g>/      TensorBoard event files
@@ -142,11 +143,12 @@ class RunDir:
         return str(self.root / "applier-%j.out")
 
     def group_logs(self, group: int) -> list[Path]:
-        """The log files of a group that exist: each rank's (local backend), then SLURM's
-        output of its array element(s)."""
+        """The log files of a group that exist: each rank's and the local MPI launcher's (local
+        backend), then SLURM's output of its array element(s)."""
         d = self.group_dir(group)
         ranks = sorted(d.glob("rank*.log"), key=lambda p: (len(p.name), p.name))
-        return ranks + sorted(d.glob("slurm-*.out"))
+        launcher = [self.mpi_launcher_log(group)] if self.mpi_launcher_log(group).is_file() else []
+        return ranks + launcher + sorted(d.glob("slurm-*.out"))
 
     def applier_logs(self) -> list[Path]:
         """The applier's log files that exist (local backend, then SLURM's output)."""
@@ -197,6 +199,10 @@ class RunDir:
 
     def rank_log(self, group: int, rank: int) -> Path:
         return self.group_dir(group) / f"rank{rank}.log"
+
+    def mpi_launcher_log(self, group: int) -> Path:
+        """The output of the local mpirun of a group (its ranks write their own rank logs)."""
+        return self.group_dir(group) / "mpirun.log"
 
     def checkpoint_dir(self, group: int) -> Path:
         return self.root / "checkpoints" / str(group)

@@ -33,8 +33,8 @@ class Prepared:
 def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
             cluster: dict[str, Any] | None = None, on_note: Callable[[str], None] | None = None) -> Prepared:
     """Validate and render; no side effects. `cluster` holds facts about the target (SLURM's
-    MaxArraySize, this machine's cores). `on_note` hears at once which backend "auto" chose, so
-    the user knows it even when a check then refuses the job."""
+    MaxArraySize, this machine's cores, whether Horovod has MPI). `on_note` hears at once which
+    backend "auto" chose, so the user knows it even when a check then refuses the job."""
     read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
     job = load_job(job_ref, overrides)
     check_plain_text("the job's name", job.name)  # it starts the run id, a directory name
@@ -52,7 +52,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
             on_note(shards_note)
     scheduler = get_scheduler(job.run.backend)
     if cluster is None:
-        cluster = scheduler.cluster_facts()
+        cluster = scheduler.cluster_facts(job)
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
     check_precision(job)

@@ -1,7 +1,8 @@
 """The training loop of one synchronous group. It knows nothing of SLURM or of how it was started.
 
 Inside a group every rank computes gradients on its own shard; Horovod averages them (allreduce)
-and every rank applies the same update, so the ranks' weights stay identical. Across groups, an
+and every rank applies the same update, so the ranks' weights stay identical -- checked at the
+end, to the bit, whichever controller (Gloo or MPI) formed the group. Across groups, an
 optional `GroupSync` (the asynchronous exchange) lets the group's root publish its averaged
 gradient and adopt newer master weights; the adoption is decided by the root and broadcast, so
 all ranks of the group switch weights at the same step.
@@ -13,6 +14,7 @@ model, so `hpcdl evaluate` needs nothing but the checkpoint directory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -230,12 +232,23 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         if stopped:
             break
 
+    # Data parallelism's invariant, asked of the ranks themselves: one 8-byte digest each.
+    digests = hvd.allgather(tf.constant([weights_digest(variables)], tf.int64), name="replica_digests").numpy()
     if rank == 0:
         attempt(report_beside(paths.state), "tensorboard", writer.flush)
         final = last or {"step": int(step.numpy()), **(report or {})}
         attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
-                {"state": "stopped" if stopped else "finished", **final})
+                {"state": "stopped" if stopped else "finished", **final,
+                 "replicas_identical": bool((digests == digests[0]).all())})
     return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
+
+
+def weights_digest(variables: list[tf.Variable]) -> int:
+    """The weights' bytes as one signed 64-bit number: equal on two ranks only if every bit is."""
+    h = hashlib.blake2b(digest_size=8)
+    for v in variables:
+        h.update(v.numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)
 
 
 def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np.ndarray]) -> None:

@@ -1,8 +1,9 @@
 """The processes of a run, as the schedulers start them: `python -m hpcdl.worker RUN_DIR MODE`.
 
-* a rank (default): read where this rank sits (Horovod variables set by the local backend, or
-  SLURM's with --slurm), tune the CPU before TensorFlow loads, join the group's Gloo world, and
-  hand over to `hpcdl.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
+* a rank (default): read where this rank sits (Horovod variables set by the local backend,
+  SLURM's with --slurm, a local mpirun's with --mpi), tune the CPU before TensorFlow loads, join
+  the group's Horovod world (Gloo, or MPI with run.controller = "mpi"), and hand over to
+  `hpcdl.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
 * `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit. With
@@ -19,12 +20,13 @@ import functools
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from hpcdl.launch import RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
+from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
 from hpcdl.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 
@@ -144,11 +146,31 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     return EXIT_REQUEUE if requeue["asked"] else 0
 
 
+def log_to(path: Path) -> None:
+    """A rank under a local mpirun writes its own log, as the local backend's Gloo ranks do
+    (mpirun would interleave every rank's output in one stream)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except LaunchError as exc:  # where a rank sits: one line that says what to fix
+        print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.worker")
     parser.add_argument("run_dir", type=Path)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--slurm", action="store_true", help="a rank; read its place from SLURM's variables")
+    mode.add_argument("--mpi", action="store_true", help="a rank under a local mpirun; read its place from MPI's")
     mode.add_argument("--rendezvous", action="store_true", help="serve a SLURM group's rendezvous")
     mode.add_argument("--applier", action="store_true", help="run the exchange's applier")
     parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
@@ -173,17 +195,25 @@ def main(argv: list[str] | None = None) -> int:
         return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
                              early_signal=lambda: stop["signal"], shard=args.shard)
     report = {}
+    mpi = job.run.controller == "mpi"
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)
-        host, _, port = os.environ["HPCDL_RENDEZVOUS"].rpartition(":")
-        os.environ.update(rank_env.to_horovod_env(host, int(port), os.environ.get("HPCDL_GLOO_IFACE", "")))
+        if mpi:  # srun --mpi=<slurm.mpi> made the group one MPI job
+            os.environ.update(rank_env.to_mpi_env())
+        else:
+            host, _, port = os.environ["HPCDL_RENDEZVOUS"].rpartition(":")
+            os.environ.update(rank_env.to_horovod_env(host, int(port), os.environ.get("HPCDL_GLOO_IFACE", "")))
         report = {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
                   "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+    elif args.mpi:
+        rank_env = RankEnv.from_mpi(os.environ, socket.gethostname())
+        log_to(run.rank_log(rank_env.group, rank_env.rank))
+        os.environ.update(rank_env.to_mpi_env())
     else:
         rank_env = RankEnv.from_horovod(os.environ)
 
-    # The local backend runs every rank of every group on this host; under SLURM a node holds
-    # its group's ranks_per_node.
+    # The local backend runs every rank of every group on this host (under mpirun too); under
+    # SLURM a node holds its group's ranks_per_node.
     on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
     # Before TensorFlow loads: mixed_bfloat16 on a node without a bfloat16 unit would run every
     # convolution emulated (submit checked only the local backend's CPU).
@@ -203,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_tensorflow(plan)
     hvd.init()
+    if mpi:
+        rank_env.check_mpi_world(hvd.rank(), hvd.size())
     group = rank_env.group
     workload = get_workload(job.workload)
     stats = ensure_stats(run, workload, job, is_root=hvd.rank() == 0)

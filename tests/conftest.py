@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,3 +65,31 @@ def wait_for(predicate, timeout=180.0, what="condition", poll=0.2):
 
 def set_args(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
+
+
+@pytest.fixture(scope="session")
+def mpi_horovod() -> None:
+    """The MPI controller's tests run where Horovod has MPI and mpirun is on PATH (`make install
+    MPI=1`; .ci/run installs both); elsewhere they are skipped with the reason, or fail with
+    HPCDL_REQUIRE_MPI=1 (CI), so a broken MPI install cannot pass as skipped tests."""
+    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],
+                           capture_output=True, text=True, timeout=300)
+    missing = []
+    if probe.stdout.strip().splitlines()[-1:] != ["True"]:
+        missing.append("Horovod is built without MPI (make install MPI=1)")
+    if not shutil.which("mpirun"):
+        missing.append("no mpirun on PATH (apt-get install openmpi-bin)")
+    if missing:
+        reason = "; ".join(missing)
+        if os.environ.get("HPCDL_REQUIRE_MPI") == "1":
+            pytest.fail(f"MPI tests cannot run (HPCDL_REQUIRE_MPI=1): {reason}", pytrace=False)
+        pytest.skip(reason)
+
+
+def mpi_test_env(**extra: str) -> dict[str, str]:
+    """The environment of a test that runs Open MPI's mpirun: as root (a CI container) it needs
+    Open MPI's consent, given here and never in what hpcdl renders."""
+    env = {**os.environ, **extra}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env

@@ -47,6 +47,8 @@ def test_resolved_job_round_trips_through_toml():
     ("train.learning_rate=-1", "train.learning_rate"),
     ("model.dropout=1.5", "model.dropout"),
     ("steps=3", "section.key"),
+    ("run.controller=nccl", "run.controller must be one of gloo, mpi; got 'nccl'"),
+    ('slurm.mpi="pmix; id"', "slurm.mpi must name an srun MPI plugin"),
 ])
 def test_bad_overrides_name_the_field(override, fragment):
     with pytest.raises(JobError, match=None) as info:
@@ -80,3 +82,10 @@ def test_unknown_workload(tmp_path):
 def test_string_fields_keep_the_text_typed():
     job = load_job("hep", ["slurm.time=00:10:00", "slurm.partition=debug", 'slurm.account="a b"'])
     assert job.slurm.time == "00:10:00" and job.slurm.partition == "debug" and job.slurm.account == "a b"
+
+
+def test_the_controller_and_srun_s_mpi_plugin():
+    job = load_job("hep")
+    assert job.run.controller == "gloo" and job.slurm.mpi == "pmix"
+    job = load_job("hep", ["run.controller=mpi", "slurm.mpi=pmi2"])
+    assert job.run.controller == "mpi" and job.slurm.mpi == "pmi2"

@@ -1,6 +1,9 @@
 import pytest
 
-from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, slurm_group_plan
+from hpcdl.launch import (
+    LaunchError, MpiLauncher, RankEnv, expand_nodelist, find_mpi_launcher, is_open_mpi, open_mpi_root_allowed,
+    slurm_group_plan,
+)
 
 
 def slurm_env(**extra):
@@ -59,3 +62,46 @@ def test_slurm_group_plan_matches_block_distribution():
     assert [(p.rank, p.hostname, p.local_rank, p.cross_rank) for p in plan] == [
         (0, "a", 0, 0), (1, "a", 1, 0), (2, "b", 0, 1), (3, "b", 1, 1)]
     assert all(p.size == 4 and p.local_size == 2 and p.cross_size == 2 and p.group == 1 for p in plan)
+
+
+def test_rank_from_open_mpi_and_from_hydra():
+    ompi = {"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3",
+            "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "HPCDL_GROUP": "1"}
+    assert RankEnv.from_mpi(ompi, "here") == RankEnv(rank=3, size=4, local_rank=3, local_size=4, cross_rank=0,
+                                                     cross_size=1, hostname="here", group=1)
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    assert RankEnv.from_mpi(hydra, "here").rank == 1 and RankEnv.from_mpi(hydra, "here").group == 0
+
+
+def test_not_under_an_mpi_launcher_says_so():
+    with pytest.raises(LaunchError, match="PMI_RANK is not set.*mpirun"):
+        RankEnv.from_mpi({}, "here")
+
+
+def test_mpi_env_sets_the_controller_and_no_rendezvous():
+    env = RankEnv.from_slurm(slurm_env()).to_mpi_env()
+    assert env == {"HOROVOD_CONTROLLER": "mpi", "HOROVOD_CPU_OPERATIONS": "mpi", "HPCDL_GROUP": "7"}
+
+
+def test_a_rank_alone_in_its_mpi_world_is_refused():
+    """srun without an MPI plugin that the MPI speaks: every rank initialises as 0 of 1."""
+    r = RankEnv.from_slurm(slurm_env())
+    r.check_mpi_world(3, 4)
+    with pytest.raises(LaunchError, match="MPI sees this rank as 0 of 1.*3 of 4.*slurm.mpi"):
+        r.check_mpi_world(0, 1)
+
+
+def test_mpi_launcher_commands():
+    argv = ["python", "-m", "hpcdl.worker", "RUN", "--mpi"]
+    assert MpiLauncher("/usr/bin/mpirun", open_mpi=True).command(4, argv) == [
+        "/usr/bin/mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none", *argv]
+    assert MpiLauncher("/opt/mpich/bin/mpiexec", open_mpi=False).command(2, argv) == [
+        "/opt/mpich/bin/mpiexec", "-n", "2", *argv]
+    assert is_open_mpi("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n")
+    assert not is_open_mpi("HYDRA build details:\n    Version:                                 4.1.2\n")
+    assert find_mpi_launcher(which=lambda name: None) is None
+
+
+def test_open_mpi_root_needs_both_variables():
+    assert not open_mpi_root_allowed({"OMPI_ALLOW_RUN_AS_ROOT": "1"})
+    assert open_mpi_root_allowed({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})

@@ -45,6 +45,8 @@ def test_two_ranks_stay_bit_identical_on_different_data(hep_files, tmp_path):
     assert [json.loads(l)["step"] for l in lines] == [5, 10, 15]
     assert (tmp_path / "ckpt" / "manifest.json").is_file()
     assert json.loads(lines[-1])["flops_per_s_group"] > 0
+    # the ranks checked it themselves at the end (one allgather of weight digests)
+    assert json.loads((tmp_path / "state.json").read_text())["replicas_identical"] is True
 
 
 def test_an_adoption_keeps_the_inner_optimizers_slots(hep_files, tmp_path):
@@ -60,3 +62,17 @@ def test_an_adoption_keeps_the_inner_optimizers_slots(hep_files, tmp_path):
     for name in names:
         # Adam's m and v went on across the adoptions: the same trajectory to the bit
         assert np.array_equal(finals[f"plain/{name}"], finals[f"adopting/{name}"]), name
+
+
+def test_the_weights_digest_sees_a_single_bit():
+    import tensorflow as tf
+
+    from hpcdl.train import weights_digest
+
+    a = [tf.Variable(np.zeros((3, 3), np.float32)), tf.Variable(np.ones(2, np.float32))]
+    b = [tf.Variable(np.zeros((3, 3), np.float32)), tf.Variable(np.ones(2, np.float32))]
+    assert weights_digest(a) == weights_digest(b)
+    flipped = np.ones(2, np.float32)
+    flipped.view(np.uint32)[1] ^= 1  # the last bit of the mantissa
+    b[1].assign(flipped)
+    assert weights_digest(a) != weights_digest(b)

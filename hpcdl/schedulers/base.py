@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpcdl.config import Job
+from hpcdl.config import Job, JobError
 from hpcdl.runs import RunDir
 
 
@@ -50,12 +50,32 @@ class DryRun:
         return "\n".join(parts) + "\n"
 
 
+def controller_facts(job: Job | None) -> dict[str, Any]:
+    """What `run.controller = "mpi"` needs of this installation, read before rendering: whether
+    Horovod was built with MPI (the ranks run this installation's Python, on either backend)."""
+    if job is None or job.run.controller != "mpi":
+        return {}
+    from hpcdl.launch import horovod_has_mpi
+
+    return {"horovod_mpi": horovod_has_mpi()}
+
+
+def check_controller(request: SubmitRequest) -> None:
+    """Refuse `run.controller = "mpi"` when the installed Horovod has no MPI (a fact fetched
+    beforehand by `controller_facts`); every rank would fail at hvd.init() otherwise."""
+    if request.job.run.controller == "mpi" and request.cluster.get("horovod_mpi") is False:
+        raise JobError('run.controller = "mpi" needs Horovod built with MPI, and the installed one has '
+                       "Gloo only: reinstall with `make install MPI=1` (README, Installation; "
+                       "`hpcdl doctor` shows the build)")
+
+
 class Scheduler(ABC):
     name: str
 
-    def cluster_facts(self) -> dict[str, Any]:
-        """Facts about the target read before rendering (e.g. SLURM's MaxArraySize); none here."""
-        return {}
+    def cluster_facts(self, job: Job | None = None) -> dict[str, Any]:
+        """Facts about the target that rendering `job` needs, read beforehand (SLURM's
+        MaxArraySize, srun's MPI plugins, this machine's cores, Horovod's build)."""
+        return controller_facts(job)
 
     @abstractmethod
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:

@@ -1,11 +1,13 @@
 """The embedded backend: a run's groups as processes on this machine, watched by a supervisor.
 
-Each group is its own Gloo world: the supervisor starts one Horovod HTTP rendezvous per group and
-the group's ranks as `python -m hpcdl.worker RUN` with Horovod's variables set (no ssh, no
-horovodrun). When the exchange is on, the applier runs as one more process. A group whose rank
-dies is stopped whole and started again (bounded retries, growing backoff); it resumes from its
-newest checkpoint and the newest master weights. The supervisor publishes its view to
-`scheduler/local.json`, so `hpcdl status` and `hpcdl cancel` work from any shell.
+Each group is its own Horovod world. With `run.controller = "gloo"` the supervisor starts one
+Horovod HTTP rendezvous per group and the group's ranks as `python -m hpcdl.worker RUN` with
+Horovod's variables set (no ssh, no horovodrun); with `"mpi"` it starts one `mpirun` per group
+(`python -m hpcdl.worker RUN --mpi` under it) and no rendezvous. When the exchange is on, the
+applier runs as one more process. A group whose rank dies is stopped whole and started again
+(bounded retries, growing backoff); it resumes from its newest checkpoint and the newest master
+weights. The supervisor publishes its view to `scheduler/local.json`, so `hpcdl status` and
+`hpcdl cancel` work from any shell.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import JobError
-from hpcdl.launch import local_group, start_rendezvous, worker_environ
+from hpcdl.config import Job, JobError
+from hpcdl.launch import (
+    MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous, worker_environ,
+)
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
-from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
+from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import attempt, storage_report
 
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
@@ -67,6 +71,11 @@ def applier_command(python: str, run: RunDir, shard: int = 0) -> list[str]:
         ["--shard", str(shard)] if shard else [])
 
 
+def mpi_group_command(launcher: MpiLauncher, python: str, run: RunDir, ranks: int) -> list[str]:
+    """One group as one MPI job: its ranks place themselves from the launcher's variables."""
+    return launcher.command(ranks, [*worker_command(python, run), "--mpi"])
+
+
 @dataclass
 class GroupProcs:
     group: int
@@ -76,6 +85,9 @@ class GroupProcs:
     state: str = "pending"
     next_start: float = 0.0
     exit_codes: list[int | None] = field(default_factory=list)
+    # How to ask the processes to checkpoint and stop: the ranks take SIGTERM; mpirun would kill
+    # its ranks a few seconds after a SIGTERM (its man page), but passes SIGUSR1 on to them.
+    stop_signal: int = signal.SIGTERM
 
 
 class Supervisor:
@@ -90,6 +102,11 @@ class Supervisor:
         self.appliers: list[subprocess.Popen | None] = []
         self.applier_restarts: list[int] = []
         self.stopping = False
+        self.launcher: MpiLauncher | None = None
+        if self.job.run.controller == "mpi":
+            self.launcher = find_mpi_launcher()
+            if self.launcher is None:
+                raise RunError('run.controller = "mpi": no mpirun or mpiexec on PATH')
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
         self.storage = storage_report(run.supervisor_storage_file, run.access(self.job))
@@ -98,6 +115,9 @@ class Supervisor:
     def _start_group(self, gp: GroupProcs) -> None:
         ranks = self.job.run.ranks_per_group
         envs = local_group(gp.group, ranks)
+        if self.launcher is not None:
+            self._start_mpi_group(gp, envs[0].to_mpi_env())
+            return
         gp.rendezvous, port = start_rendezvous(envs)
         gp.procs = []
         for env in envs:
@@ -110,8 +130,22 @@ class Supervisor:
             log.close()
         gp.state = "running"
 
+    def _start_mpi_group(self, gp: GroupProcs, env: dict[str, str]) -> None:
+        """The group's ranks under one mpirun, in a session of its own: a Ctrl-C reaches the
+        supervisor, which asks mpirun to pass SIGUSR1 on (mpirun's own SIGINT handling kills
+        the ranks before they can checkpoint). Each rank writes its own log (hpcdl.worker)."""
+        log = _open_log(self.run.mpi_launcher_log(gp.group))
+        gp.procs = [subprocess.Popen(
+            mpi_group_command(self.launcher, self.python, self.run, self.job.run.ranks_per_group),
+            env=worker_environ(os.environ, env), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with(os.getpid()),
+        )]
+        log.close()
+        gp.stop_signal = signal.SIGUSR1
+        gp.state = "running"
+
     def _stop_group(self, gp: GroupProcs) -> None:
-        _terminate(gp.procs)
+        _terminate(gp.procs, stop_signal=gp.stop_signal)
         if gp.rendezvous is not None:
             gp.rendezvous.stop()
             gp.rendezvous = None
@@ -213,7 +247,8 @@ class Supervisor:
     def shutdown(self) -> None:
         stopping = [gp for gp in self.groups.values() if gp.state in ("running", "pending")]
         # All groups at once: each checkpoints at its stop (hpcdl.worker), in parallel.
-        _terminate([p for gp in stopping for p in gp.procs], grace=STOP_GRACE_S)
+        _terminate([p for gp in stopping for p in gp.procs], grace=STOP_GRACE_S,
+                   stop_signal={p.pid: gp.stop_signal for gp in stopping for p in gp.procs})
         for gp in stopping:
             self._stop_group(gp)
             gp.state = "cancelled"
@@ -223,15 +258,22 @@ class Supervisor:
         self.storage.close()
 
 
-def _terminate(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+def _terminate(procs: list[subprocess.Popen], grace: float = 5.0,
+               stop_signal: int | dict[int, int] = signal.SIGTERM) -> None:
+    """Ask each process to stop (`stop_signal`, or one per pid), kill it after `grace` seconds."""
     for p in procs:
         if p.poll() is None:
-            p.terminate()
+            p.send_signal(stop_signal.get(p.pid, signal.SIGTERM) if isinstance(stop_signal, dict) else stop_signal)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            try:  # mpirun leads a session of its own: its ranks go with it
+                if os.getpgid(p.pid) == p.pid:
+                    os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             p.kill()
             p.wait()
 
@@ -273,19 +315,51 @@ def check_capacity(job, facts: dict[str, Any]) -> None:
         )
 
 
+def mpi_facts() -> dict[str, Any]:
+    """The local MPI launcher, and whether Open MPI's would refuse to run as root here."""
+    launcher = find_mpi_launcher()
+    return {"mpi_launcher": launcher.path if launcher else None,
+            "open_mpi": bool(launcher and launcher.open_mpi),
+            "root": os.geteuid() == 0, "open_mpi_root_allowed": open_mpi_root_allowed(os.environ)}
+
+
+def check_local_mpi(job: Job, facts: dict[str, Any]) -> None:
+    """`run.controller = "mpi"` here needs a launcher, and Open MPI's refuses root unless told."""
+    if job.run.controller != "mpi" or "mpi_launcher" not in facts:
+        return
+    if not facts["mpi_launcher"]:
+        raise JobError('run.controller = "mpi" on the local backend needs mpirun or mpiexec on PATH '
+                       "(apt-get install openmpi-bin, or load your site's MPI module)")
+    if facts.get("open_mpi") and facts.get("root") and not facts.get("open_mpi_root_allowed"):
+        raise JobError('run.controller = "mpi": Open MPI\'s mpirun refuses to run as root; run as a user, '
+                       "or export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 if you mean it")
+
+
 class LocalScheduler(Scheduler):
     name = "local"
 
-    def cluster_facts(self) -> dict[str, Any]:
-        return machine_facts()
+    def cluster_facts(self, job: Job | None = None) -> dict[str, Any]:
+        facts = {**machine_facts(), **controller_facts(job)}
+        if job is not None and job.run.controller == "mpi":
+            facts.update(mpi_facts())
+        return facts
 
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         job, run = request.job, request.run
         check_capacity(job, request.cluster)
+        check_controller(request)
+        check_local_mpi(job, request.cluster)
         commands = []
         if job.exchange.active(job.run.groups):
             commands += [applier_command(request.python, run, k) for k in range(job.exchange.shard_count)]
         for g in range(job.run.groups):
+            if job.run.controller == "mpi":
+                launcher = MpiLauncher(request.cluster.get("mpi_launcher") or "mpirun",
+                                       request.cluster.get("open_mpi", True))
+                env = local_group(g, 1)[0].to_mpi_env()
+                commands.append(["env", *(f"{k}={v}" for k, v in sorted(env.items())),
+                                 *mpi_group_command(launcher, request.python, run, job.run.ranks_per_group)])
+                continue
             for env in local_group(g, job.run.ranks_per_group):
                 hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
                 commands.append(["env", *(f"{k}={v}" for k, v in sorted(hvd.items()) if k != "HOROVOD_GLOO_RENDEZVOUS_PORT"),

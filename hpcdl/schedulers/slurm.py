@@ -1,8 +1,8 @@
 """The SLURM backend: one job array element per synchronous group, plus the applier's job.
 
 Rendering is a pure function of the request (`render_group_script`, `render_applier_script`,
-`sbatch_commands`): cluster facts such as MaxArraySize are fetched beforehand by `cluster_facts()`
-and passed in. Values that reach `#SBATCH` lines are validated against strict patterns (sbatch
+`sbatch_commands`): cluster facts such as MaxArraySize and srun's MPI plugins are fetched
+beforehand by `cluster_facts()` and passed in. Values that reach `#SBATCH` lines are validated against strict patterns (sbatch
 parses those lines itself, so shell quoting would not protect them); values in the script body are
 shell-quoted; paths travel as sbatch arguments. `schedule` is all or nothing: if any sbatch fails,
 what was submitted is cancelled. Watching is one batched `squeue` and one `sacct` call for all of
@@ -22,7 +22,9 @@ from hpcdl.resources import shipped_dir
 from hpcdl.runs import (
     PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic,
 )
-from hpcdl.schedulers.base import DryRun, Scheduler, SchedulerError, SubmitRequest
+from hpcdl.schedulers.base import (
+    DryRun, Scheduler, SchedulerError, SubmitRequest, check_controller, controller_facts,
+)
 
 TEMPLATES_DIR = shipped_dir("slurm_templates")
 GROUP_SCRIPT = "group.sbatch"  # template names; RunDir.script_file places the rendered ones
@@ -135,10 +137,67 @@ def _setup_lines(job: Job) -> str:
     return "\n".join(job.slurm.setup)
 
 
+# run.controller = "gloo": the group's rendezvous on the batch host, started before srun and
+# stopped after it. "mpi": srun's MPI plugin wires the ranks up; nothing runs beside them.
+GLOO_START = """\
+# The group's Gloo rendezvous runs on the batch host: one HTTP server per group, so groups
+# never share a collective.
+port_file="$group_dir/rendezvous.$SLURM_JOB_ID"
+rm -f "$port_file"
+{python} -m hpcdl.worker "$run_dir" --rendezvous --port-file "$port_file" &
+rendezvous=$!
+for _ in $(seq 600); do [ -s "$port_file" ] && break; sleep 0.1; done
+[ -s "$port_file" ] || {{ echo "hpcdl: the rendezvous did not start" >&2; kill "$rendezvous"; exit 1; }}
+export HPCDL_RENDEZVOUS="{rendezvous_host}:$(cat "$port_file")"
+export HPCDL_GLOO_IFACE={gloo_iface}"""
+GLOO_STOP = 'kill "$rendezvous" 2>/dev/null\nrm -f "$port_file"'
+MPI_START = """\
+# run.controller = "mpi": the group's ranks are one MPI job, wired up by srun's {plugin} plugin
+# (slurm.mpi); Horovod initialises over MPI, so no rendezvous runs beside them."""
+
+
+def check_srun_mpi(job: Job, cluster: dict[str, Any]) -> None:
+    """slurm.mpi must be a plugin this cluster's srun has (`srun --mpi=list`, read beforehand when
+    SLURM is reachable), and not "none", which starts the ranks as separate MPI worlds of one."""
+    plugin = job.slurm.mpi
+    if plugin == "none":
+        raise JobError('slurm.mpi = "none" starts each rank as an MPI world of its own; run.controller = '
+                       '"mpi" needs srun\'s MPI wire-up (pmix for Open MPI; srun --mpi=list)')
+    plugins = cluster.get("mpi_plugins")
+    if plugins and plugin not in plugins:
+        raise JobError(f"slurm.mpi = {plugin!r} is not an MPI plugin of this cluster's srun "
+                       f"(srun --mpi=list: {', '.join(plugins)})")
+
+
+def parse_mpi_list(text: str) -> list[str]:
+    """`srun --mpi=list` -> plugin names. Slurm 22.05 prints `MPI plugin types are...`, one
+    name a line, then `specific pmix plugin versions available: pmix_v4`."""
+    names: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        head, sep, tail = line.partition(":")
+        if sep and "versions available" in head:
+            names.extend(v.strip() for v in tail.split(",") if v.strip())
+        elif re.fullmatch(r"[a-z][a-z0-9_]*", line):
+            names.append(line)
+    return list(dict.fromkeys(names))
+
+
 def render_group_script(request: SubmitRequest) -> str:
     job = request.job
     s = job.slurm
     srun_cpus = f"--cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else ""
+    srun_options = ["--kill-on-bad-exit=1"]
+    if job.run.controller == "mpi":
+        srun_options.append(f"--mpi={s.mpi}")
+    srun_options += [f"--ntasks-per-node={job.run.ranks_per_node}", *([srun_cpus] if srun_cpus else [])]
+    rendezvous_host = shlex.quote(s.rendezvous_host) if s.rendezvous_host else "$(hostname)"
+    if job.run.controller == "mpi":
+        controller_start, controller_stop = MPI_START.format(plugin=s.mpi), ""
+    else:
+        controller_start = GLOO_START.format(python=shlex.quote(request.python), rendezvous_host=rendezvous_host,
+                                             gloo_iface=shlex.quote(s.gloo_iface))
+        controller_stop = GLOO_STOP
     threads = s.cpus_per_task or 0
     tuning = []
     if threads:
@@ -150,7 +209,11 @@ def render_group_script(request: SubmitRequest) -> str:
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     if s.signal_seconds:
         directives.append(f"#SBATCH --signal=B:{s.signal}@{s.signal_seconds}")
-    return fill(load_template(job, GROUP_SCRIPT), {
+    template = load_template(job, GROUP_SCRIPT)
+    if job.run.controller == "mpi" and "srun_options" not in _PLACEHOLDER.findall(template):
+        raise JobError(f"slurm template {job.slurm.template_dir}/{GROUP_SCRIPT} has no {{{{ srun_options }}}}: "
+                       'run.controller = "mpi" passes --mpi to srun there (copy the shipped group.sbatch again)')
+    return fill(template, {
         "sbatch_directives": "\n".join(directives),
         "setup": _setup_lines(job),
         "tuning_env": "\n".join(tuning),
@@ -158,7 +221,10 @@ def render_group_script(request: SubmitRequest) -> str:
         "python": shlex.quote(request.python),
         "ranks_per_node": str(job.run.ranks_per_node),
         "srun_cpus": srun_cpus,
-        "rendezvous_host": shlex.quote(s.rendezvous_host) if s.rendezvous_host else "$(hostname)",
+        "srun_options": " ".join(srun_options),
+        "controller_start": controller_start,
+        "controller_stop": controller_stop,
+        "rendezvous_host": rendezvous_host,
         "gloo_iface": shlex.quote(s.gloo_iface),
         "signal": s.signal,
         "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
@@ -264,13 +330,22 @@ def _run(cmd: list[str], timeout: float = 30.0) -> subprocess.CompletedProcess:
 class SlurmScheduler(Scheduler):
     name = "slurm"
 
-    def cluster_facts(self) -> dict[str, Any]:
-        """Read before rendering; an unreachable controller leaves the facts empty."""
+    def cluster_facts(self, job: Job | None = None) -> dict[str, Any]:
+        """Read before rendering; an unreachable controller leaves the facts empty. For
+        run.controller = "mpi" also srun's MPI plugins and whether Horovod has MPI."""
+        facts = controller_facts(job)
+        if job is not None and job.run.controller == "mpi":
+            try:
+                proc = _run(["srun", "--mpi=list"], timeout=15)
+                if proc.returncode == 0:
+                    facts["mpi_plugins"] = parse_mpi_list(proc.stdout + proc.stderr)
+            except SchedulerError:
+                pass
         try:
             proc = _run(["scontrol", "show", "config"], timeout=15)
         except SchedulerError:
-            return {}
-        return parse_scontrol_config(proc.stdout) if proc.returncode == 0 else {}
+            return facts
+        return {**facts, **parse_scontrol_config(proc.stdout)} if proc.returncode == 0 else facts
 
     def controller_answers(self) -> tuple[bool, str]:
         """Whether `scontrol ping` finds the controller up, and what it said otherwise."""
@@ -284,6 +359,9 @@ class SlurmScheduler(Scheduler):
     def submit_dryrun(self, request: SubmitRequest) -> DryRun:
         job = request.job
         check_signal_time(job)
+        check_controller(request)
+        if job.run.controller == "mpi":
+            check_srun_mpi(job, request.cluster)
         limit = request.cluster.get("max_array_size")
         if limit is not None and job.run.groups > limit:
             raise JobError(

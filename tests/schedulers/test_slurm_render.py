@@ -11,7 +11,7 @@ from hpcdl.config import JobError, load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (
-    SlurmScheduler, map_state, parse_sacct, parse_scontrol_config, parse_squeue, render_group_script,
+    SlurmScheduler, map_state, parse_mpi_list, parse_sacct, parse_scontrol_config, parse_squeue, render_group_script,
     sbatch_commands,
 )
 
@@ -252,3 +252,60 @@ def test_max_restarts_reaches_the_group_script():
     script = SlurmScheduler().submit_dryrun(request(["run.max_restarts=5"])).files["scheduler/group.sbatch"]
     assert 'if [ "$restarts" -gt 5 ]; then' in script and "run.max_restarts = 5" in script
     assert 'planned_file="$group_dir/planned-requeues"' in script  # our own requeues, not bounded
+
+
+# -- run.controller = "mpi" -------------------------------------------------------------------
+# `srun --mpi=list` of Debian's Slurm 22.05.8 (the test cluster's)
+MPI_LIST = """\
+MPI plugin types are...
+	pmix
+	none
+	cray_shasta
+	pmi2
+specific pmix plugin versions available: pmix_v4
+"""
+PLUGINS = {"mpi_plugins": ["pmix", "none", "cray_shasta", "pmi2", "pmix_v4"]}
+
+
+def test_mpi_group_script_matches_its_golden_file():
+    dry = SlurmScheduler().submit_dryrun(request(["run.controller=mpi"], cluster={**PLUGINS, "horovod_mpi": True}))
+    script = dry.files["scheduler/group.sbatch"]
+    assert script == (GOLDEN / "group-mpi.sbatch").read_text()
+    assert "srun --kill-on-bad-exit=1 --mpi=pmix --ntasks-per-node=2 --cpus-per-task=34" in script
+    assert "--rendezvous" not in script and "HPCDL_RENDEZVOUS" not in script
+    # the applier's job does not depend on the controller
+    assert dry.files["scheduler/applier.sbatch"] == (GOLDEN / "applier.sbatch").read_text()
+
+
+def test_rendered_scripts_never_let_open_mpi_run_as_root():
+    """OMPI_ALLOW_RUN_AS_ROOT belongs in the tests' environment, never in a production script."""
+    for controller in ("gloo", "mpi"):
+        dry = SlurmScheduler().submit_dryrun(request([f"run.controller={controller}"], cluster=PLUGINS))
+        assert not any("ALLOW_RUN_AS_ROOT" in text or "allow-run-as-root" in text for text in dry.files.values())
+
+
+def test_parse_srun_mpi_list():
+    assert parse_mpi_list(MPI_LIST) == PLUGINS["mpi_plugins"]
+
+
+@pytest.mark.parametrize("override, cluster, message", [
+    ("slurm.mpi=pmix_v5", PLUGINS, r"slurm.mpi = 'pmix_v5' is not an MPI plugin of this cluster's srun "
+                                   r"\(srun --mpi=list: pmix, none, cray_shasta, pmi2, pmix_v4\)"),
+    ("slurm.mpi=none", {}, 'slurm.mpi = "none" starts each rank as an MPI world of its own'),
+    ("slurm.mpi=pmix", {"horovod_mpi": False}, 'run.controller = "mpi" needs Horovod built with MPI.*make install MPI=1'),
+])
+def test_mpi_submissions_refused_with_one_line(override, cluster, message):
+    with pytest.raises(JobError, match=message) as err:
+        SlurmScheduler().submit_dryrun(request(["run.controller=mpi", override], cluster=cluster))
+    assert "\n" not in str(err.value)
+
+
+def test_slurm_mpi_is_checked_only_where_srun_answered():
+    SlurmScheduler().submit_dryrun(request(["run.controller=mpi", "slurm.mpi=pmix_v5"], cluster={}))
+
+
+def test_a_site_template_without_srun_options_cannot_run_mpi(tmp_path):
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nsrun {{ python }} -m hpcdl.worker\n")
+    render_group_script(request([f'slurm.template_dir="{tmp_path}"']))  # gloo: as before
+    with pytest.raises(JobError, match=r"has no \{\{ srun_options \}\}"):
+        render_group_script(request([f'slurm.template_dir="{tmp_path}"', "run.controller=mpi"]))

@@ -19,6 +19,7 @@ from hpcdl.schedulers.slurm import SlurmScheduler
 
 FAKE_PYTHON = """#!/bin/bash
 # stands in for `python -m hpcdl.worker ...`
+echo "$*" >> "$RUN_DIR/python.calls"
 case " $* " in
   *" --rendezvous "*)
     while [ $# -gt 0 ]; do [ "$1" = --port-file ] && { echo 29500 > "$2"; }; shift; done
@@ -37,6 +38,7 @@ esac
 # exit 0 -- what hpcdl.worker does (or finish at once with FINISH=1).
 FAKE_SRUN = """#!/bin/bash
 dir="$RUN_DIR/groups/$SLURM_ARRAY_TASK_ID"
+echo "$@" > "$dir/srun.args"
 echo started > "$dir/ranks-started"
 [ "${FINISH:-0}" = 1 ] && exit 0
 for _ in $(seq 600); do
@@ -100,6 +102,19 @@ def test_the_configured_signal_checkpoints_and_requeues(tmp_path, sig):
     assert proc.returncode == 0, out
     assert "checkpointed; requeueing 41" in out
     assert scontrol_calls(run) == ["requeue 41"]
+
+
+def test_the_mpi_controller_s_script_starts_no_rendezvous_and_still_requeues(tmp_path):
+    run, scripts, env = render(tmp_path, "run.controller=mpi")
+    proc = start(scripts["group"], env)
+    wait_for(run.group_dir(0) / "ranks-started")
+    proc.send_signal(signal.SIGUSR1)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and "checkpointed; requeueing 41" in out, out
+    assert scontrol_calls(run) == ["requeue 41"]
+    assert (run.group_dir(0) / "srun.args").read_text().split()[:3] == [
+        "--kill-on-bad-exit=1", "--mpi=pmix", "--ntasks-per-node=1"]
+    assert not (run.root / "python.calls").exists()  # no rendezvous beside the ranks
 
 
 def test_no_requeue_after_hpcdl_cancel(tmp_path):
