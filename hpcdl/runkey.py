@@ -166,8 +166,8 @@ class Access:
         return fd
 
     def open_append(self, path: str | os.PathLike[str]) -> int:
-        """Open ``path`` for appending, creating it with the policy's mode."""
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        """Open ``path`` for appending (and reading its end), creating it with the policy's mode."""
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
                      | getattr(os, "O_NOFOLLOW", 0), self.file_mode)
         if self.group:
             try:

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpcdl.config import Job, JobError, job_from_dict
+from hpcdl.files import append_lines, atomic_write_bytes
 from hpcdl.runkey import KEY_FILE, Access, RunKeyError, access_for_job, create_key
 from hpcdl.storage import REPORT_FILE, StorageReport
 
@@ -411,26 +412,14 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name in the same directory, fsync, rename: readers see old or new.
+    """Publish ``data`` at ``path`` (:func:`hpcdl.files.atomic_write`): readers see old or new.
 
     The file is owner-only (0600), or 0660 in a group-only run's directory. On any error (a full
     disk, a quota) the temporary is removed and the error raised; `path` keeps its old content."""
     path = Path(path)
     if not path.parent.is_dir():
         Access.of_directory(_existing_ancestor(path.parent)).make_dir(path.parent)
-    access = Access.of_directory(path.parent)
-    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
-    try:
-        if access.group:
-            os.fchmod(fd, access.file_mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(path, data, access=Access.of_directory(path.parent))
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -440,29 +429,11 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """One line per write: O_APPEND keeps whole lines from concurrent writers of small records.
-
-    The file is created owner-only (or group-only, by its directory). If the write fails (a full
-    disk, a quota), the part of the line that was written is cut off again, so the file stays a
-    sequence of whole lines (exact for a single writer, as a group's metrics are), and the error
-    is raised."""
+    """One line per write (:func:`hpcdl.files.append_lines`), created owner-only (or group-only,
+    by its directory); a failed write leaves whole lines and raises."""
     path = Path(path)
     data = (json.dumps(record, sort_keys=True) + "\n").encode()
-    fd = Access.of_directory(path.parent).open_append(path)
-    try:
-        size = os.fstat(fd).st_size
-        try:
-            written = os.write(fd, data)
-            if written != len(data):  # a short write: the rest did not fit
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
-        except OSError:
-            try:
-                os.ftruncate(fd, size)
-            except OSError:
-                pass
-            raise
-    finally:
-        os.close(fd)
+    append_lines(path, data, access=Access.of_directory(path.parent))
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -107,7 +107,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import errno
 import json
 import logging
 import os
@@ -120,12 +119,13 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from hpcdl.applier.rules import UPDATE_RULES, RuleParams, make_rule
+from hpcdl.config import STALE_POLICIES
 from hpcdl.exchange import (
     ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, Signer, UpdateRef,
     atomic_write_bytes, read_file, write_file,
 )
-from hpcdl.applier.rules import UPDATE_RULES, RuleParams, make_rule
-from hpcdl.config import STALE_POLICIES
+from hpcdl.files import append_lines
 from hpcdl.storage import REPORT_FILE, StorageReport, is_storage_full
 
 try:
@@ -522,7 +522,6 @@ class Applier:
         batch = _Batch()
         proposals = self.ch.pending_proposals()
         for path in proposals:
-            rel = f"init/{path.name}"
             try:
                 group, tensors = self.ch.read_proposal(path)
                 reason = self._invalid_initial(tensors)
@@ -708,32 +707,8 @@ class Applier:
         if not new:
             return
         data = b"".join(json.dumps(ev, separators=(",", ":")).encode() + b"\n" for ev in new)
-        fd = os.open(self.ch.events_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     self.ch.access.file_mode)
-        try:
-            start = os.lseek(fd, 0, os.SEEK_END)
-            if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
-                data = b"\n" + data  # terminate a line torn by a crash
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    if n <= 0:
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                    view = view[n:]
-                if self.ch.fsync:
-                    os.fsync(fd)
-            except OSError:
-                # A full disk may have let part of the data in: cut it off again, so a retry
-                # cannot log an event twice (we are the only writer: we hold the lock).
-                try:
-                    os.ftruncate(fd, start)
-                except OSError:
-                    pass
-                raise
-            size = start + len(data)
-        finally:
-            os.close(fd)
+        # we are the only writer (we hold the lock): a failed append leaves no event half logged
+        size = append_lines(self.ch.events_path, data, access=self.ch.access, fsync=self.ch.fsync)
         self._logged_event_id = new[-1]["event_id"]
         if size > self.events_max_bytes:  # keep one rotated file: disk use stays bounded
             os.replace(self.ch.events_path, self._rotated_events_path)

@@ -70,8 +70,8 @@ overload an update may be applied in some shards and dropped in others, as the p
 per-layer servers took each layer's gradient on its own. With K = 1 the exchange directory is
 the one channel and no partition is recorded.
 
-Publishing (all writers, all file kinds)
-========================================
+Publishing (all writers, all file kinds; implemented once, in :mod:`hpcdl.files`)
+==================================================================================
 1. write the complete file under ``.tmp-<uuid hex>-<final name>`` in the destination directory,
 2. flush and ``fsync`` it,
 3. ``os.replace`` it onto the final name (atomic on POSIX file systems, Lustre included),
@@ -191,9 +191,9 @@ from hpcdl.exchange.channel import (
 )
 from hpcdl.exchange.format import (
     ALIGN, ALLOWED_DTYPES, FORMAT_VERSION, KINDS, MAGIC, MAX_ELEMENTS, MAX_HEADER_BYTES, MAX_NAME_CHARS,
-    MAX_NDIM, PREFIX_SIZE, TMP_PREFIX, CorruptFile, Signer, Tensors, atomic_write, atomic_write_bytes,
-    fsync_dir, read_file, write_file,
+    MAX_NDIM, PREFIX_SIZE, CorruptFile, Signer, Tensors, read_file, write_file,
 )
+from hpcdl.files import TMP_PREFIX, atomic_write, atomic_write_bytes, fsync_dir
 
 __all__ = [
     "ALIGN", "ALLOWED_DTYPES", "FORMAT_VERSION", "KINDS", "MAGIC", "MAX_ELEMENTS", "MAX_HEADER_BYTES",

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from hpcdl.exchange.format import (
-    MAX_HEADER_BYTES, TMP_PREFIX, CorruptFile, Signer, Tensors, _is_int, read_file, write_file,
+    MAX_HEADER_BYTES, CorruptFile, Signer, Tensors, _is_int, read_file, write_file,
 )
+from hpcdl.files import TMP_PREFIX
 from hpcdl.runkey import Access
 
 log = logging.getLogger("hpcdl.exchange")

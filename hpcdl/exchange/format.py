@@ -1,4 +1,4 @@
-"""The exchange file format: encoding, validation and atomic publishing of one file.
+"""The exchange file format: encoding and validation of one file (published by hpcdl.files).
 
 The format and the reader's checks are specified in :mod:`hpcdl.exchange`'s docstring (the
 protocol); this module is their one implementation. Pure numpy + stdlib.
@@ -13,12 +13,12 @@ import math
 import os
 import struct
 import time
-import uuid
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Mapping
+from typing import Any, BinaryIO, Mapping
 
 import numpy as np
 
+from hpcdl.files import atomic_write
 from hpcdl.runkey import Access
 
 MAGIC = b"HPCDLX\r\n"
@@ -31,7 +31,6 @@ ALIGN = 64
 MAX_NAME_CHARS = 1024
 MAX_NDIM = 32
 MAX_ELEMENTS = 1 << 48  # bound on prod(max(d, 1)) of a shape: numpy can hold any such array
-TMP_PREFIX = ".tmp-"
 KINDS = ("update", "weights", "init", "state")
 ALLOWED_DTYPES = frozenset(
     ["|b1", "|i1", "|u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8",
@@ -79,59 +78,6 @@ class Signer:
         if self._key is None:
             return hashlib.sha256()
         return hmac.new(self._key, digestmod=hashlib.sha256)
-
-
-# --------------------------------------------------------------------------------------------
-# atomic publishing
-# --------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: Path) -> None:
-    """fsync a directory so a rename in it is durable (ignored where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True,
-                 access: Access | None = None) -> Path:
-    """Publish ``path`` atomically: temporary in the same directory, fsync, rename, fsync dir.
-
-    The file gets ``access``'s mode (owner-only 0600 by default) whatever the umask. On any error
-    (ENOSPC, EDQUOT, ...) the temporary is removed and the error raised: ``path`` keeps its
-    previous content, if any.
-    """
-    path = Path(path)
-    access = access or Access()
-    tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
-    try:
-        with os.fdopen(access.open_new(tmp), "wb") as f:
-            write(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-    return path
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
-                       access: Access | None = None) -> Path:
-    return atomic_write(path, lambda f: f.write(data), fsync=fsync, access=access)
 
 
 # --------------------------------------------------------------------------------------------

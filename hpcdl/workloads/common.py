@@ -10,7 +10,7 @@ This module owns, for :mod:`hpcdl.workloads.hep` and :mod:`hpcdl.workloads.clima
 * **the synthetic generators' arguments and files**: :func:`is_int`, :func:`check_seed`,
   :func:`check_splits` (train/val/test fractions and the split sizes they give) and
   :func:`write_splits` (``train.h5``, ``val.h5``, ``test.h5``, each written atomically);
-* **atomic output files**: :func:`atomic_path`; PNG figures (:func:`new_figure`,
+* **atomic output files**: :func:`hpcdl.files.atomic_path`; PNG figures (:func:`new_figure`,
   :func:`save_png`); ``.npz``/``.csv`` result tables (:func:`table_format`, :func:`csv_lines`).
 
 What a workload means by its data (layouts, shapes, physics, metrics) stays in the workload; the
@@ -25,11 +25,12 @@ import os
 import queue
 import threading
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Iterator, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tuple
 
 import numpy as np
+
+from hpcdl.files import atomic_path
 
 if TYPE_CHECKING:
     import h5py
@@ -167,7 +168,7 @@ def write_splits(out_dir, sizes: Sequence[int],
     """Write ``<out_dir>/<split>.h5`` for each of :data:`SPLITS`; returns ``{split: path}``.
 
     ``write_split(tmp, name, index, n)`` writes split ``name`` (number ``index``, ``n`` items) to
-    the temporary ``tmp``, which is renamed into place when complete (see :func:`atomic_path`), so
+    the temporary ``tmp``, which is renamed into place when complete (see :func:`hpcdl.files.atomic_path`), so
     a failure leaves any complete older file untouched. Creates ``out_dir`` if needed.
     """
     out_dir = Path(out_dir)
@@ -189,26 +190,6 @@ def write_splits(out_dir, sizes: Sequence[int],
 
 # --------------------------------------------------------------------------------------------------
 # atomic output files
-
-
-@contextmanager
-def atomic_path(path: Path) -> Iterator[Path]:
-    """Yield a temporary path next to ``path``; on success rename it onto ``path``, else delete it.
-
-    The rename is atomic on POSIX, so readers (and a job killed mid-write) never see a partial file.
-    The file is created with mode 0666 minus the umask, like an ordinary ``open(path, "w")``.
-    """
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 def new_figure(figsize: Tuple[float, float], dpi: int) -> Tuple[Any, Any]:

@@ -19,7 +19,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hpcdl.workloads.climate.data import CLASSES, NUM_CLASSES
-from hpcdl.workloads.common import atomic_path, csv_lines, new_figure, save_png, table_format
+from hpcdl.files import atomic_path
+from hpcdl.workloads.common import csv_lines, new_figure, save_png, table_format
 
 __all__ = ["iou", "nms", "average_precision", "detection_metrics", "plot_detections",
            "write_detections", "read_detections"]

@@ -38,7 +38,8 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from hpcdl.workloads.common import atomic_path, csv_lines, new_figure, save_png, table_format
+from hpcdl.files import atomic_path
+from hpcdl.workloads.common import csv_lines, new_figure, save_png, table_format
 
 __all__ = [
     "HepMetrics",

@@ -1,0 +1,123 @@
+"""The one place hpcdl publishes a file or appends a line to one.
+
+* :func:`atomic_write` (and :func:`atomic_write_bytes`, :func:`atomic_path` for writers that need a
+  file name, such as h5py): the whole file under ``.tmp-<uuid>-<name>`` in the destination
+  directory, flushed and fsynced, renamed onto the name, the directory fsynced. Readers see the
+  old file or the new one, never a part; a failure (a full disk, a quota) removes the temporary
+  and raises, and the old file stays. ``fsync=False`` keeps the atomicity and skips the two
+  fsyncs, for files nothing depends on after a crash of the node (the exchange protocol says
+  which).
+* :func:`append_lines`: whole lines at the end of a file opened with ``O_APPEND``; a line torn by
+  an earlier crash is terminated first, and a write that fails is cut off again, so the file
+  stays a sequence of whole lines.
+
+Files get the mode of an :class:`hpcdl.runkey.Access` policy (owner-only by default), whatever
+the umask; :func:`atomic_path` without one follows the umask, like ``open(path, "w")``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Callable, Iterator
+
+from hpcdl.runkey import Access
+
+TMP_PREFIX = ".tmp-"
+
+
+def temporary_for(path: Path) -> Path:
+    return path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}-{path.name}"
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so a rename in it is durable (ignored where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True,
+                 access: Access | None = None) -> Path:
+    """Publish ``path`` with what ``write(file)`` writes (see the module docstring)."""
+    path = Path(path)
+    access = access or Access()
+    tmp = temporary_for(path)
+    try:
+        with os.fdopen(access.open_new(tmp), "wb") as f:
+            write(f)
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync:
+        fsync_dir(path.parent)
+    return path
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
+                       access: Access | None = None) -> Path:
+    return atomic_write(path, lambda f: f.write(data), fsync=fsync, access=access)
+
+
+@contextmanager
+def atomic_path(path: Path, *, access: Access | None = None) -> Iterator[Path]:
+    """A temporary path next to ``path`` to write by name; published onto ``path`` on success."""
+    path = Path(path)
+    tmp = temporary_for(path)
+    os.close(access.open_new(tmp) if access else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def append_lines(path: Path, data: bytes, *, access: Access, fsync: bool = False) -> int:
+    """Append ``data`` (whole lines, each ending in a newline) to ``path`` (module docstring);
+    returns the file's size after it.
+
+    Exact for a single writer; concurrent writers of small records keep whole lines (O_APPEND)."""
+    fd = access.open_append(path)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
+            data = b"\n" + data  # terminate a line torn by a crash
+        try:
+            # one write, so that concurrent appenders' lines do not interleave; a short write to
+            # a regular file means the disk or the quota is full
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            if fsync:
+                os.fsync(fd)
+        except OSError:
+            # A full disk may have let part of the data in: cut it off again, so that a retry
+            # cannot write a line twice.
+            try:
+                os.ftruncate(fd, start)
+            except OSError:
+                pass
+            raise
+        return start + len(data)
+    finally:
+        os.close(fd)
