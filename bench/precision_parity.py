@@ -34,7 +34,8 @@ def parity(data: dict[str, Path], steps: int, filters: int, batch: int, seed: in
     import tensorflow as tf
 
     from hpcdl.config import load_job
-    from hpcdl.optim import make_optimizer
+    from hpcdl.engine.optim import make_optimizer
+    from hpcdl.engine.step import make_train_step
     from hpcdl.workloads.hep import data as hepdata
     from hpcdl.workloads.hep import metrics
     from hpcdl.workloads.hep.workload import WORKLOAD
@@ -51,17 +52,12 @@ def parity(data: dict[str, Path], steps: int, filters: int, batch: int, seed: in
         optimizer = make_optimizer("adam", variables, job.train.learning_rate)
         tf.random.set_seed(seed)  # the same dropout masks' seed for both
 
-        @tf.function(reduce_retracing=True)
-        def step(b):
-            with tf.GradientTape() as tape:
-                loss = WORKLOAD.loss(model, b, training=True)
-            optimizer.apply(tape.gradient(loss, variables), variables)
-            return loss
+        step = make_train_step(lambda b, model=model: WORKLOAD.loss(model, b, training=True), variables, optimizer)
 
         batches = WORKLOAD.train_batches(job, stats, 0, 1, seed=seed)
         t, losses = time.perf_counter(), []
         for i in range(steps):
-            losses.append(float(step(next(batches))))
+            losses.append(float(step(next(batches))[0]))
             if (i + 1) % 50 == 0:
                 log(f"{precision}: step {i + 1}/{steps}, loss {np.mean(losses[-50:]):.4f}")
         seconds = time.perf_counter() - t
@@ -91,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-bench"))
     ap.add_argument("--emulated", action="store_true", help="run on a CPU without bfloat16 (smoke test only)")
     args = ap.parse_args(argv)
-    from hpcdl.tuning import read_cpuinfo
+    from hpcdl.engine.tuning import read_cpuinfo
 
     cpu = read_cpuinfo()
     if not cpu.bf16 and not args.emulated:

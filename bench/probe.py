@@ -11,11 +11,11 @@ Roles:
 * ``--role numpy``: sgemm with numpy (OpenBLAS), large square float32 matrices. OPENBLAS_CORETYPE
   is set from /proc/cpuinfo unless already set (OpenBLAS 0.3.23 misdetects Sapphire Rapids under
   KVM as 'Prescott', SSE3 only, and runs ~7x slower); the kernel in use is reported.
-* ``--role tf``: TensorFlow set up exactly as a rank would be (hpcdl.tuning's plan for the given
+* ``--role tf``: TensorFlow set up exactly as a rank would be (hpcdl.engine.tuning's plan for the given
   [tuning] values, applied before TensorFlow loads; --precision bfloat16 is the job option, i.e.
   oneDNN's BF16 fpmath mode on the unchanged float32 model), the HEP network of the paper
   (HepCNN(HepModelConfig()), 5 convolutions of 128 3×3 filters) at --image², and the engine's
-  training step: the workload's loss, gradient tape, hpcdl.optim's Adam. No Horovod (one rank's
+  training step: the workload's loss, gradient tape, hpcdl.engine.optim's Adam. No Horovod (one rank's
   allreduce is a copy); bench/run.py's sustained figure comes from a real `hpcdl submit` run.
   Also: TensorFlow's own matmul (float32 / bfloat16), and the step with precision
   "mixed_bfloat16": the same model and variables computing in bfloat16 (the engine's
@@ -80,7 +80,7 @@ def timed(fn, cmd) -> list[float]:
 
 class NumpyProbe:
     def __init__(self, args):
-        from hpcdl.tuning import openblas_coretype, read_cpuinfo
+        from hpcdl.engine.tuning import openblas_coretype, read_cpuinfo
 
         self.coretype_set = "OPENBLAS_CORETYPE" in os.environ
         if not self.coretype_set and not args.no_coretype:
@@ -122,7 +122,7 @@ class NumpyProbe:
 class TfProbe:
     def __init__(self, args):
         from hpcdl.config import TuningConfig
-        from hpcdl.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
+        from hpcdl.engine.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
 
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
                               onednn=bool(args.onednn), precision=args.precision)
@@ -137,7 +137,7 @@ class TfProbe:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         import tensorflow as tf
 
-        from hpcdl.tuning import configure_tensorflow, onednn_enabled
+        from hpcdl.engine.tuning import configure_tensorflow, onednn_enabled
 
         configure_tensorflow(self.plan)
         self.tf = tf
@@ -156,7 +156,7 @@ class TfProbe:
 
     def _model(self):
         if self.model is None:
-            from hpcdl.optim import make_optimizer
+            from hpcdl.engine.optim import make_optimizer
             from hpcdl.workloads.hep.config import HepModelConfig
             from hpcdl.workloads.hep.model import HepCNN
 
@@ -182,7 +182,8 @@ class TfProbe:
             return self.steps[precision]
         tf = self.tf
         model = self._model()
-        from hpcdl.tuning import compute_dtype
+        from hpcdl.engine.step import make_train_step
+        from hpcdl.engine.tuning import compute_dtype
         from hpcdl.workloads.hep.workload import WORKLOAD
 
         variables, optimizer = self.variables, self.optimizer
@@ -190,15 +191,9 @@ class TfProbe:
             # the engine's mixed precision model: the same layers and variables, computing in bfloat16
             model = copy.copy(model)
             model.compute_dtype = tf.as_dtype(compute_dtype(precision))
-        loss_fn = lambda batch: WORKLOAD.loss(model, batch, training=True)  # noqa: E731
-
-        @tf.function(reduce_retracing=True)
-        def train_step(batch):  # the engine's step, minus Horovod (see the module docstring)
-            with tf.GradientTape() as tape:
-                loss = loss_fn(batch)
-            grads = tape.gradient(loss, variables)
-            optimizer.apply(grads, variables)
-            return loss
+        # the engine's step, minus Horovod (see the module docstring)
+        step = make_train_step(lambda batch: WORKLOAD.loss(model, batch, training=True), variables, optimizer)
+        train_step = lambda batch: step(batch)[0]  # noqa: E731
 
         self.steps[precision] = train_step
         return train_step

@@ -2,8 +2,8 @@
 """Where the time of one HEP training step goes: TensorFlow's profiler, per op class, beside FLOPs.
 
 The engine's step (the workload's loss, gradient tape, Horovod's DistributedGradientTape and
-allreduce of one rank, hpcdl.optim's Adam) on the paper's network at --image², set up as
-hpcdl.tuning would set up a rank, is traced with `tf.profiler.experimental` after warm-up steps.
+allreduce of one rank, hpcdl.engine.optim's Adam) on the paper's network at --image², set up as
+hpcdl.engine.tuning would set up a rank, is traced with `tf.profiler.experimental` after warm-up steps.
 The trace (XPlane) is read back and every TensorFlow op ("name:type" events of the executor's
 threads) is put in a class: convolution forward / backward-input / backward-filter by layer,
 pooling, ReLU and bias, dropout's random numbers and its mask, Adam's update, Horovod, the rest.
@@ -95,7 +95,7 @@ def parse_xplane(path: str) -> list[tuple[str, str, float]]:
 
 
 def conv_flops(model, batch: int) -> dict[tuple[str, str], float]:
-    """FLOPs of one step per (class, layer), by hpcdl.nn's formulas (the bench's FLOP count)."""
+    """FLOPs of one step per (class, layer), by hpcdl.engine.nn's formulas (the bench's FLOP count)."""
     h, w, _ = model.image_shape
     out = {}
     for i, conv in enumerate(model.convs):
@@ -143,7 +143,7 @@ class Step:
 
     def __init__(self, args):
         from hpcdl.config import TuningConfig
-        from hpcdl.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
+        from hpcdl.engine.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
 
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
                               precision=args.precision)
@@ -156,8 +156,9 @@ class Step:
         import numpy as np
         import tensorflow as tf
 
-        from hpcdl.optim import make_optimizer
-        from hpcdl.tuning import compute_dtype, configure_tensorflow
+        from hpcdl.engine.optim import make_optimizer
+        from hpcdl.engine.step import make_train_step
+        from hpcdl.engine.tuning import compute_dtype, configure_tensorflow
         from hpcdl.workloads.hep.config import HepModelConfig
         from hpcdl.workloads.hep.model import HepCNN
         from hpcdl.workloads.hep.workload import WORKLOAD
@@ -175,17 +176,8 @@ class Step:
         variables = [v for _, v in model.named_variables()]
         optimizer = make_optimizer("adam", variables, 1e-3)
 
-        @tf.function(reduce_retracing=True)
-        def train_step(batch):  # hpcdl.train.train_group's step
-            with tf.GradientTape() as tape:
-                loss = WORKLOAD.loss(model, batch, training=True)
-            if hvd is not None:
-                tape = hvd.DistributedGradientTape(tape)
-            grads = tape.gradient(loss, variables)
-            optimizer.apply(grads, variables)
-            return hvd.allreduce(loss, op=hvd.Average) if hvd is not None else loss
-
-        self.fn = train_step
+        self.fn = make_train_step(lambda batch: WORKLOAD.loss(model, batch, training=True),
+                                  variables, optimizer, hvd)
         rng = np.random.default_rng(0)
         self.batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
                       (np.arange(args.batch) % 2).astype(np.int32), np.ones(args.batch, np.float32))
@@ -194,7 +186,7 @@ class Step:
         out = []
         for _ in range(n):
             t = time.perf_counter()
-            self.fn(self.batch).numpy()
+            self.fn(self.batch)[0].numpy()
             out.append(time.perf_counter() - t)
         return out
 
@@ -321,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.onednn_verbose:  # a child: print its JSON on the real stdout
         print("@@ " + json.dumps(onednn_verbose(args)))
         return 0
-    from hpcdl.tuning import read_cpuinfo, usable_cores
+    from hpcdl.engine.tuning import read_cpuinfo, usable_cores
 
     cpu = read_cpuinfo()
     result = {"cpu": cpu.model, "isa": cpu.vector_isa, "bf16_unit": cpu.bf16_unit,

@@ -244,7 +244,7 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
     res = b.data.setdefault("step", {"batch": batch, "rounds": []})
     tf = b.tf_probe()
     bf = None
-    from hpcdl.tuning import read_cpuinfo
+    from hpcdl.engine.tuning import read_cpuinfo
 
     # mixed_bfloat16 only where it is native: emulated it runs at ~0.1x float32 (bench/results,
     # AVX2 EPYC) and the job option is refused there, so its step would only cost the bench time.
@@ -515,7 +515,7 @@ def section_sustained(b: Bench) -> None:
     files = generated(b, b.args.sustained_events, 224)
     b.close_tf()  # memory, and nothing else of ours competes with the run
     b.data["sustained_sgemm_before"] = b.sgemm_sample(reps=3)
-    from hpcdl.tuning import read_cpuinfo
+    from hpcdl.engine.tuning import read_cpuinfo
 
     for precision in (p.strip() for p in b.args.sustained_precisions.split(",") if p.strip()):
         if precision == "bfloat16" and not read_cpuinfo().bf16:
@@ -882,7 +882,7 @@ def section_plan(b: Bench) -> None:
 
 
 def machine() -> dict[str, Any]:
-    from hpcdl.tuning import read_cpuinfo, usable_cores
+    from hpcdl.engine.tuning import read_cpuinfo, usable_cores
 
     cpu = read_cpuinfo()
     try:

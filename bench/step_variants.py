@@ -12,7 +12,7 @@ step times (variant / reference). Choices:
   dropout, with the rate rounded to 1/65536.
 * bias "add": conv + a broadcast add (the bias gradient is a Sum); "bias_add": tf.nn.bias_add
   (its gradient is BiasAddGrad).
-* adam "loop": hpcdl.optim.Adam's element-wise ops per variable; "fused": one ResourceApplyAdam
+* adam "loop": hpcdl.engine.optim.Adam's element-wise ops per variable; "fused": one ResourceApplyAdam
   per variable (the same formula).
 
 Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are bench/run.py's tuning
@@ -51,7 +51,7 @@ def cpu_seconds() -> float:
 
 def build(args):
     from hpcdl.config import TuningConfig
-    from hpcdl.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
+    from hpcdl.engine.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
 
     cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
     plan = plan_threads(TuningConfig(), cores, why, cpu=read_cpuinfo())
@@ -59,9 +59,10 @@ def build(args):
     import numpy as np
     import tensorflow as tf
 
-    from hpcdl.nn import Conv2D
-    from hpcdl.optim import Adam
-    from hpcdl.tuning import configure_tensorflow
+    from hpcdl.engine.nn import Conv2D
+    from hpcdl.engine.optim import Adam
+    from hpcdl.engine.step import make_train_step
+    from hpcdl.engine.tuning import configure_tensorflow
     from hpcdl.workloads.hep.config import HepModelConfig
     from hpcdl.workloads.hep.model import HepCNN
     from hpcdl.workloads.hep.workload import WORKLOAD
@@ -110,14 +111,8 @@ def build(args):
             o = copy.copy(adam)
             o.__class__ = FusedAdam
 
-        @tf.function(reduce_retracing=True)
-        def step(batch):
-            with tf.GradientTape() as tape:
-                loss = WORKLOAD.loss(m, batch, training=True)
-            o.apply(tape.gradient(loss, variables), variables)
-            return loss
-
-        return step
+        step = make_train_step(lambda batch: WORKLOAD.loss(m, batch, training=True), variables, o)
+        return lambda batch: step(batch)[0]
 
     rng = np.random.default_rng(0)
     batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
@@ -139,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown or "reference" not in args.variants:
         ap.error(f"variants: known {', '.join(VARIANTS)} (reference is needed), got {args.variants}")
-    from hpcdl.tuning import read_cpuinfo, usable_cores
+    from hpcdl.engine.tuning import read_cpuinfo, usable_cores
 
     cpu = read_cpuinfo()
     load_start = os.getloadavg()[0]

@@ -87,6 +87,11 @@ class RunConfig:
         return self.nodes_per_group * self.ranks_per_node
 
 
+# Adam's constants (Kingma & Ba's), one set for the engine's Adam inside a group and the
+# applier's: the same rule on both sides of the exchange.
+ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The synchronous loop inside one group."""
@@ -244,7 +249,7 @@ class EmulateConfig:
 
 # float32; "bfloat16": oneDNN's BF16 fpmath mode on the float32 model (falls back to float32 where
 # the CPU has no bfloat16 unit); "mixed_bfloat16": Keras' policy, bfloat16 activations with float32
-# weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.tuning).
+# weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.engine.tuning).
 PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
 
 
@@ -253,7 +258,7 @@ class TuningConfig:
     """CPU settings applied before TensorFlow starts; 0 means derive from the cores a rank owns."""
 
     intra_op_threads: int = 0  # 0: the cores a rank owns
-    inter_op_threads: int = 0  # 0: 2 when a rank owns >= 2 cores, else 1 (hpcdl.tuning)
+    inter_op_threads: int = 0  # 0: 2 when a rank owns >= 2 cores, else 1 (hpcdl.engine.tuning)
     onednn: bool = True
     kmp_blocktime: int = 0
     kmp_affinity: str = "granularity=fine,compact,1,0"

@@ -8,7 +8,7 @@ import platform
 from typing import Any
 
 from hpcdl.config import TuningConfig
-from hpcdl.tuning import (
+from hpcdl.engine.tuning import (
     affinity_cores,
     cgroup_cpu_quota,
     cores_per_rank,

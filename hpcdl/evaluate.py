@@ -65,7 +65,7 @@ def _check_manifest(path: Path) -> None:
 
 def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
              scores_out: Path | None = None, progress=None) -> dict[str, Any]:
-    from hpcdl.train import load_model
+    from hpcdl.engine.train import load_model
     from hpcdl.workloads import get_workload
 
     checkpoint, run = resolve_checkpoint(path)

@@ -250,7 +250,7 @@ class MpiLauncher:
         if self.open_mpi:
             # More ranks than cores must be allowed (tests, small hybrid runs); no binding: Open MPI
             # binds each rank to a core by default, every group's rank 0 to the same core, and
-            # hpcdl's thread plan (hpcdl.tuning) already sizes each rank's threads.
+            # hpcdl's thread plan (hpcdl.engine.tuning) already sizes each rank's threads.
             return [self.path, "-np", str(ranks), "--oversubscribe", "--bind-to", "none", *argv]
         return [self.path, "-n", str(ranks), *argv]
 

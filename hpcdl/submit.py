@@ -18,7 +18,7 @@ from hpcdl.config import Job, JobError, check_plain_text, load_job, resolve_job_
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
-from hpcdl.tuning import compute_dtype, precision_refusal, read_cpuinfo
+from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
 
 

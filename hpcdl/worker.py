@@ -3,7 +3,7 @@
 * a rank (default): read where this rank sits (Horovod variables set by the local backend,
   SLURM's with --slurm, a local mpirun's with --mpi), tune the CPU before TensorFlow loads, join
   the group's Horovod world (Gloo, or MPI with run.controller = "mpi"), and hand over to
-  `hpcdl.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
+  `hpcdl.engine.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
 * `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit. With
@@ -28,7 +28,7 @@ from typing import Callable
 
 from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
-from hpcdl.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
+from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 
 STATS_WAIT_S = 3600.0
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
@@ -227,8 +227,8 @@ def _main(argv: list[str] | None) -> int:
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 
-    from hpcdl.tuning import configure_tensorflow
-    from hpcdl.train import GroupPaths, train_group
+    from hpcdl.engine.tuning import configure_tensorflow
+    from hpcdl.engine.train import GroupPaths, train_group
     from hpcdl.workloads import get_workload
 
     configure_tensorflow(plan)

@@ -6,7 +6,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.tuning import read_cpuinfo
+from hpcdl.engine.tuning import read_cpuinfo
 from tests.conftest import set_args, tiny_overrides
 
 

@@ -461,7 +461,7 @@ from pathlib import Path
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from hpcdl.config import load_job
-from hpcdl.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, train_group
 from hpcdl.workloads import get_workload
 
 out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))

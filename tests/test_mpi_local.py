@@ -41,7 +41,7 @@ def test_two_groups_under_mpirun_and_the_applier_train_to_the_end(mpi_horovod, h
     assert done["applier"]["applied"] > 0
     for g in (0, 1):
         group = run_dir / "groups" / str(g)
-        # Every rank's weights the same to the bit after steps on different shards (hpcdl.train).
+        # Every rank's weights the same to the bit after steps on different shards (hpcdl.engine.train).
         assert json.loads((group / "state.json").read_text())["replicas_identical"] is True
         # each rank wrote its own log; mpirun's own output is beside them
         assert sorted(p.name for p in group.glob("rank*.log")) == ["rank0.log", "rank1.log"]

@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from hpcdl.config import JobError, load_job
 from hpcdl.doctor import bf16_label
-from hpcdl.optim import make_optimizer
+from hpcdl.engine.optim import make_optimizer
 from hpcdl.submit import check_precision
-from hpcdl.tuning import CpuInfo, compute_dtype, parse_cpuinfo, precision_policy, read_cpuinfo
+from hpcdl.engine.tuning import CpuInfo, compute_dtype, parse_cpuinfo, precision_policy, read_cpuinfo
 from hpcdl.workloads.hep.config import HepModelConfig
 from hpcdl.workloads.hep.workload import WORKLOAD
 from tests.test_tuning import CPUINFO, EPYC_AVX2

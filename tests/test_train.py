@@ -67,7 +67,7 @@ def test_an_adoption_keeps_the_inner_optimizers_slots(hep_files, tmp_path):
 def test_the_weights_digest_sees_a_single_bit():
     import tensorflow as tf
 
-    from hpcdl.train import weights_digest
+    from hpcdl.engine.train import weights_digest
 
     a = [tf.Variable(np.zeros((3, 3), np.float32)), tf.Variable(np.ones(2, np.float32))]
     b = [tf.Variable(np.zeros((3, 3), np.float32)), tf.Variable(np.ones(2, np.float32))]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hpcdl.config import JobError, TuningConfig, load_job
-from hpcdl.tuning import (
+from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,
     cgroup_cpu_quota,

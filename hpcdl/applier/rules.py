@@ -32,6 +32,8 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
+from hpcdl.config import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+
 Arrays = dict[str, np.ndarray]
 
 
@@ -41,9 +43,9 @@ class RuleParams:
 
     lr: float = 1e-3
     momentum: float = 0.9
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
+    beta1: float = ADAM_BETA1
+    beta2: float = ADAM_BETA2
+    eps: float = ADAM_EPSILON
     delay: int = 1
 
 

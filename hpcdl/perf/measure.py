@@ -22,7 +22,7 @@ MEASURE_TIMEOUT_S = 600.0
 
 def measure(steps: int = 2, batch: int = 32, image: int = 224) -> dict[str, Any]:
     from hpcdl.config import TuningConfig
-    from hpcdl.tuning import configure_tensorflow, plan_for_this_process
+    from hpcdl.engine.tuning import configure_tensorflow, plan_for_this_process
 
     plan = plan_for_this_process(TuningConfig(), ranks_on_host=1)
     os.environ.update(plan.environment())
@@ -30,7 +30,8 @@ def measure(steps: int = 2, batch: int = 32, image: int = 224) -> dict[str, Any]
     import numpy as np
     import tensorflow as tf
 
-    from hpcdl.optim import make_optimizer
+    from hpcdl.engine.optim import make_optimizer
+    from hpcdl.engine.step import make_train_step
     from hpcdl.workloads.hep.config import HepModelConfig
     from hpcdl.workloads.hep.model import HepCNN
     from hpcdl.workloads.hep.workload import WORKLOAD
@@ -43,18 +44,12 @@ def measure(steps: int = 2, batch: int = 32, image: int = 224) -> dict[str, Any]
     data = (tf.constant(rng.random((batch, image, image, 3), dtype=np.float32)),
             tf.constant(np.arange(batch) % 2, tf.int32), tf.ones([batch]))
 
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            loss = WORKLOAD.loss(model, data, training=True)
-        optimizer.apply(tape.gradient(loss, variables), variables)
-        return loss
-
-    step().numpy()
+    step = make_train_step(lambda batch: WORKLOAD.loss(model, batch, training=True), variables, optimizer)
+    step(data)[0].numpy()
     seconds = []
     for _ in range(steps):
         start = time.perf_counter()
-        step().numpy()
+        step(data)[0].numpy()
         seconds.append(time.perf_counter() - start)
     flops = model.flops().training * batch
     return {"node_flops": flops / min(seconds), "step_s": min(seconds), "steps": steps, "batch": batch,

@@ -24,31 +24,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from hpcdl.flops import FlopCount
+from hpcdl.engine.flops import FlopCount
+from hpcdl.workloads.hep.config import HepModelConfig
 
 
 def hep_network(image: Sequence[int] = (224, 224, 3), filters: int = 128, conv_layers: int = 5,
                 kernel: int = 3, pool: int = 2) -> tuple[FlopCount, int]:
-    """FLOPs per example and parameter count of hpcdl's HEP network, without TensorFlow.
-
-    The same formulas as ``HepCNN.flops()`` (hpcdl.nn): 'same' convolutions of stride 1, pooling
-    `pool` after every convolution but the last, then global average pool and dense to 2 logits.
-    """
-    h, w, c = (int(x) for x in image)
-    channels = [c] + [filters] * conv_layers
-    forward = backward = params = 0
-    for i in range(conv_layers):
-        fwd = 2 * h * w * kernel * kernel * channels[i] * channels[i + 1]
-        forward += fwd
-        backward += fwd * (2 if i > 0 else 1)
-        params += kernel * kernel * channels[i] * channels[i + 1] + channels[i + 1]
-        if i < conv_layers - 1:
-            h, w = h // pool, w // pool
-    dense = 2 * filters * 2
-    forward += dense
-    backward += 2 * dense
-    params += filters * 2 + 2
-    return FlopCount(forward, backward), params
+    """FLOPs per example and parameter count of hpcdl's HEP network (`HepModelConfig.cost`)."""
+    return HepModelConfig(filters=filters, conv_layers=conv_layers, kernel=kernel, pool=pool).cost(image)
 
 
 def tree_rounds(nodes: int) -> int:

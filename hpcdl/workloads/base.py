@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.flops import FlopCount
+from hpcdl.engine.flops import FlopCount
 
 
 class Model(ABC):

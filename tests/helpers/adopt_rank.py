@@ -10,7 +10,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.config import load_job
-from hpcdl.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, train_group
 from hpcdl.workloads import get_workload
 
 

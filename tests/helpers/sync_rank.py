@@ -8,7 +8,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.config import load_job
-from hpcdl.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, train_group
 from hpcdl.workloads import get_workload
 
 out, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])

@@ -31,8 +31,8 @@ import math
 
 import tensorflow as tf
 
-from hpcdl.flops import ZERO, FlopCount
-from hpcdl.nn import Conv2D, Conv2DTranspose, named_variables
+from hpcdl.engine.flops import ZERO, FlopCount
+from hpcdl.engine.nn import Conv2D, Conv2DTranspose, named_variables
 from hpcdl.workloads.base import Model
 from hpcdl.workloads.climate.config import ClimateModelConfig
 from hpcdl.workloads.climate.data import CHANNELS, NUM_CLASSES

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hpcdl.flops import ZERO, FlopCount
-from hpcdl.nn import Conv2D, Dense, named_variables
+from hpcdl.engine.flops import FlopCount
+from hpcdl.engine.nn import Conv2D, Dense, named_variables
 from hpcdl.workloads.hep.config import HepModelConfig
 from hpcdl.workloads.base import Model
 
@@ -51,13 +51,7 @@ class HepCNN(tf.Module, Model):
         return tf.nn.dropout(x, rate=self.config.dropout)
 
     def flops(self) -> FlopCount:
-        h, w, _ = self.image_shape
-        total = ZERO
-        for i, conv in enumerate(self.convs):
-            total = total + conv.flops(h, w, needs_input_grad=i > 0)
-            if i < len(self.convs) - 1:
-                h, w = h // self.config.pool, w // self.config.pool
-        return total + self.head.flops()
+        return self.config.cost(self.image_shape)[0]
 
     def named_variables(self) -> list[tuple[str, tf.Variable]]:
         return named_variables(self)

@@ -25,10 +25,11 @@ import numpy as np
 import tensorflow as tf
 
 from hpcdl.config import Job
-from hpcdl.optim import make_optimizer
+from hpcdl.engine.optim import make_optimizer
+from hpcdl.engine.step import make_train_step
 from hpcdl.runs import append_jsonl, write_json_atomic
 from hpcdl.storage import attempt, report_beside, save_checkpoint
-from hpcdl.tuning import precision_policy
+from hpcdl.engine.tuning import precision_policy
 
 MANIFEST = "manifest.json"
 
@@ -127,14 +128,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     shard = group * size + rank
     batches = workload.train_batches(job, stats, shard, groups * size, seed=job.train.seed + resumed_from)
 
-    @tf.function(reduce_retracing=True)
-    def train_step(batch):
-        with tf.GradientTape() as tape:
-            loss = workload.loss(model, batch, training=True)
-        tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(loss, variables)
-        optimizer.apply(grads, variables)
-        return hvd.allreduce(loss, op=hvd.Average), grads
+    train_step = make_train_step(lambda batch: workload.loss(model, batch, training=True),
+                                 variables, optimizer, hvd)
 
     flops_per_example = model.flops().training
     batch_images = job.train.batch_per_rank

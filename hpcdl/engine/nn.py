@@ -1,10 +1,7 @@
 """Layers as plain `tf.Module`s that also know their FLOP count.
 
 The paper's figure of merit is FLOP/s, so each layer counts its own multiply-adds analytically
-from the shapes it sees. Counted, as the paper does: 2 FLOPs per multiply-add of convolutions and
-dense layers, forward and backward. The backward pass of a layer costs one forward for the weight
-gradient plus one for the input gradient, except the first layer, whose input needs no gradient.
-Element-wise work (bias, ReLU, pooling, dropout, the optimizer) is left out: under 1 % here.
+from the shapes it sees, by the convention of `hpcdl.engine.flops`.
 Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s. Each layer
 computes in the dtype of its input, its float32 variables cast to it (Keras' autocasting): under
 `tuning.precision = "mixed_bfloat16"` the model feeds bfloat16 activations and the weights stay
@@ -16,7 +13,8 @@ from __future__ import annotations
 import math
 import tensorflow as tf
 
-from hpcdl.flops import ZERO, FlopCount  # noqa: F401  (re-exported for layers' users)
+from hpcdl.engine import flops as count
+from hpcdl.engine.flops import FlopCount
 
 
 def _as(var: tf.Variable, x: tf.Tensor) -> tf.Tensor:
@@ -49,9 +47,7 @@ class Conv2D(tf.Module):
         return math.ceil(h / self.stride), math.ceil(w / self.stride)
 
     def flops(self, h: int, w: int, needs_input_grad: bool = True) -> FlopCount:
-        ho, wo = self.output_hw(h, w)
-        fwd = 2 * ho * wo * self.kernel * self.kernel * self.c_in * self.c_out
-        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+        return count.conv(*self.output_hw(h, w), self.kernel, self.c_in, self.c_out, needs_input_grad)
 
 
 class Conv2DTranspose(tf.Module):
@@ -72,8 +68,7 @@ class Conv2DTranspose(tf.Module):
     def flops(self, h: int, w: int, needs_input_grad: bool = True) -> FlopCount:
         # Every input pixel scatters a k×k×c_out patch: the same multiply-adds as the convolution
         # it is the gradient of.
-        fwd = 2 * h * w * self.kernel * self.kernel * self.c_in * self.c_out
-        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+        return count.conv(h, w, self.kernel, self.c_in, self.c_out, needs_input_grad)
 
 
 class Dense(tf.Module):
@@ -88,8 +83,7 @@ class Dense(tf.Module):
             return tf.matmul(x, _as(self.w, x)) + _as(self.b, x)
 
     def flops(self, needs_input_grad: bool = True) -> FlopCount:
-        fwd = 2 * self.n_in * self.n_out
-        return FlopCount(fwd, fwd * (2 if needs_input_grad else 1))
+        return count.dense(self.n_in, self.n_out, needs_input_grad)
 
 
 def named_variables(module: tf.Module) -> list[tuple[str, tf.Variable]]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from hpcdl.config import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+
 
 class Adam(tf.Module):
     """Adam (Kingma & Ba) with bias correction; slots are created with the first variables seen."""
 
     def __init__(self, variables: list[tf.Variable], learning_rate: float = 1e-3,
-                 beta1: float = 0.9, beta2: float = 0.999, epsilon: float = 1e-7):
+                 beta1: float = ADAM_BETA1, beta2: float = ADAM_BETA2, epsilon: float = ADAM_EPSILON):
         super().__init__(name="adam")
         self.learning_rate = tf.Variable(learning_rate, trainable=False, dtype=tf.float32)
         self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon

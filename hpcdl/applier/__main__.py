@@ -1,5 +1,0 @@
-import sys
-
-from hpcdl.applier.server import main
-
-sys.exit(main())
