@@ -218,13 +218,13 @@ def _pin(cpus: set[int] | None, who: str) -> None:
 def applier(root: str, key: bytes, shapes: dict, fsync: bool, stop_file: str, drain_s: float,
             max_batch: int, pin: set[int] | None, out: str) -> None:
     """One shard's applier; `shapes` are its part's pieces (the whole model with one shard)."""
-    from hpcdl.applier import Applier
+    from hpcdl.applier import Applier, ApplierConfig
 
     _pin(pin, "applier")
     ch = Channel(root, RUN_ID, create=False, signer=Signer(key), fsync=fsync)
     initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    app = Applier(ch, "adam", 1e-3, initial=initial, max_batch=max_batch, keep_versions=3,
-                  status_interval=1.0)
+    app = Applier(ch, ApplierConfig("adam", 1e-3, max_batch=max_batch, keep_versions=3, status_interval=1.0),
+                  initial=initial)
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     state = {"stop_seen": None}
 
@@ -558,7 +558,7 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
     then whole applier batches (Applier.step on `batch` pending updates, events and status
     included) for comparison with the sum of the parts.
     """
-    from hpcdl.applier import Applier
+    from hpcdl.applier import Applier, ApplierConfig
     from hpcdl.applier.rules import Adam, RuleParams
 
     shapes = hep_layout(HEP_PARAMS)
@@ -592,7 +592,7 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
 
     # The state save and the weights publish, as the applier's own code does them.
     app_ch = Channel(base / "applier", RUN_ID, signer=Signer(key), fsync=fsync)
-    app = Applier(app_ch, "adam", 1e-3, initial=weights, max_batch=batch, keep_versions=3)
+    app = Applier(app_ch, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3), initial=weights)
     with app:
         slow = max(10, reps // 4)
         parts["state save"] = (*_timed(app._save_state, slow), batch)

@@ -107,7 +107,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     warn, at any time)."""
     import logging
 
-    from hpcdl.applier import AlreadyRunning, Applier
+    from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig
     from hpcdl.hybrid import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -120,12 +120,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 1
     try:
-        lr = x.applier_learning_rate(job.train.learning_rate, job.run.groups)
-        applier = Applier(channel, x.optimizer, lr, max_staleness=x.max_staleness,
-                          stale_policy=x.stale_policy, keep_versions=x.keep_versions,
-                          momentum=x.momentum, beta1=x.momentum,
-                          momentum_delay=x.momentum_delay_for(job.run.groups),
-                          staleness_scaling=x.staleness_scaling)
+        applier = Applier(channel, ApplierConfig.for_job(job))
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return 3

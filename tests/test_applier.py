@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from hpcdl import exchange as ex  # noqa: E402
-from hpcdl.applier import CRASH_ENV, AlreadyRunning, Applier, Ledger  # noqa: E402
+from hpcdl.applier import AlreadyRunning, Applier, Ledger  # noqa: E402
+from tests.helpers import APPLIER_PROCESS, applier_for  # noqa: E402
 from hpcdl.exchange import Channel, Signer  # noqa: E402
 
 RUN = "run-applier-test"
@@ -31,7 +32,7 @@ W0 = {"a": np.arange(6, dtype=np.float64).reshape(2, 3), "b": np.float64(10.0),
 
 
 def env_with_root(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != CRASH_ENV}
+    env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
@@ -79,7 +80,7 @@ def ch(tmp_path: Path) -> Channel:
 
 def sgd_applier(ch: Channel, **kw) -> Applier:
     kw.setdefault("initial", W0)
-    return Applier(ch, "sgd", 1.0, **kw)
+    return applier_for(ch, "sgd", 1.0, **kw)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,12 +129,12 @@ def test_momentum_and_adam_match_reference_across_restart(ch: Channel, optimizer
     rng = np.random.default_rng(1)
     grads = [{"a": rng.standard_normal((2, 3)), "b": np.float64(rng.standard_normal()),
               "c": np.zeros(0)} for _ in range(6)]
-    app = Applier(ch, optimizer, 0.01, initial=W0)
+    app = applier_for(ch, optimizer, 0.01, initial=W0)
     for s, g in enumerate(grads[:3]):
         ch.publish_update(0, s, 0, g)
     drain(app)
     app.close()
-    app = Applier(ch, optimizer, 0.01)  # slots and step survive the restart
+    app = applier_for(ch, optimizer, 0.01)  # slots and step survive the restart
     for s, g in enumerate(grads[3:], start=3):
         ch.publish_update(0, s, 0, g)
     drain(app)
@@ -142,7 +143,7 @@ def test_momentum_and_adam_match_reference_across_restart(ch: Channel, optimizer
         np.testing.assert_allclose(app.weights[k], want[k], rtol=1e-12, atol=1e-12)
     app.close()
     with pytest.raises(ValueError, match="optimizer"):
-        Applier(ch, "sgd", 0.01)
+        applier_for(ch, "sgd", 0.01)
 
 
 def test_ledger_intervals() -> None:
@@ -262,7 +263,7 @@ def test_duplicate_pair_is_not_applied_twice(ch: Channel) -> None:
 
 
 def test_first_proposal_becomes_version_0(ch: Channel) -> None:
-    app = Applier(ch, "sgd", 1.0)
+    app = applier_for(ch, "sgd", 1.0)
     assert app.version is None and app.step() == 0
     assert ch.read_status()["phase"] == "waiting_for_initial_weights"
     (ch.init_dir / ex.init_name(9)).write_bytes(b"garbage")
@@ -284,7 +285,7 @@ def test_first_proposal_becomes_version_0(ch: Channel) -> None:
 
 def test_state_lost_adopts_newest_weights(ch: Channel) -> None:
     ch.publish_weights(7, W0)
-    with Applier(ch, "sgd", 1.0) as app:
+    with applier_for(ch, "sgd", 1.0) as app:
         assert app.version == 7
         ch.publish_update(0, 0, 7, grad(0, 0))
         drain(app)
@@ -294,18 +295,18 @@ def test_state_lost_adopts_newest_weights(ch: Channel) -> None:
 def test_single_applier_per_directory(ch: Channel) -> None:
     app = sgd_applier(ch)
     with pytest.raises(AlreadyRunning):
-        Applier(ch, "sgd", 1.0)
-    proc = subprocess.run([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root),
+        applier_for(ch, "sgd", 1.0)
+    proc = subprocess.run([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root),
                            "--run-id", RUN, "--optimizer", "sgd"], env=env_with_root(),
                           capture_output=True, timeout=60)
     assert proc.returncode == 3
     app.close()
-    Applier(ch, "sgd", 1.0).close()
+    applier_for(ch, "sgd", 1.0).close()
 
 
-def test_cli_sigterm_exits_0_and_status_parses(ch: Channel) -> None:
+def test_an_applier_process_stops_on_sigterm_and_its_status_parses(ch: Channel) -> None:
     sgd_applier(ch).close()
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root),
+    proc = subprocess.Popen([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root),
                              "--run-id", RUN, "--optimizer", "sgd", "--lr", "1",
                              "--status-interval", "0.1"], env=env_with_root())
     try:
@@ -386,17 +387,16 @@ def test_exactly_once_with_publisher_threads_and_processes(ch: Channel) -> None:
 
 
 def start_applier(root: Path, *extra: str, crash: str | None = None) -> subprocess.Popen:
-    env = env_with_root(**({CRASH_ENV: crash} if crash else {}))
     return subprocess.Popen(
-        [sys.executable, "-m", "hpcdl.applier", "--exchange", str(root), "--run-id", RUN,
+        [sys.executable, APPLIER_PROCESS, "--exchange", str(root), "--run-id", RUN,
          "--optimizer", "sgd", "--lr", "1", "--keep-versions", "2", "--poll-interval", "0.01",
-         "--log-level", "WARNING", *extra],
-        env=env)
+         "--log-level", "WARNING", *(["--crash", crash] if crash else []), *extra],
+        env=env_with_root())
 
 
 def check_exactly_once(ch: Channel, pairs) -> None:
     """Final state: every pair applied once, master exact, events logged once each."""
-    with Applier(ch, "sgd", 1.0) as app:
+    with applier_for(ch, "sgd", 1.0) as app:
         assert ch.backlog() == 0
         assert sorted(app.ledger.pairs()) == sorted(pairs)
         assert app.counts["applied"] == len(pairs) and app.version == len(pairs)
@@ -482,13 +482,13 @@ def test_torn_event_line_is_terminated(ch: Channel) -> None:
 def test_hmac_channel_end_to_end(tmp_path: Path) -> None:
     key = Signer(b"s" * 32)
     ch = Channel(tmp_path / "x", RUN, signer=key)
-    with Applier(ch, "sgd", 1.0, initial=W0) as app:
+    with applier_for(ch, "sgd", 1.0, initial=W0) as app:
         ch.publish_update(0, 0, 0, grad(0, 0))
         Channel(tmp_path / "x", RUN).publish_update(0, 1, 0, grad(0, 1))  # unkeyed: refused
         drain(app)
         assert app.counts["applied"] == 1 and app.counts["rejected_corrupt"] == 1
     with pytest.raises(ex.CorruptFile):  # the state itself is keyed too
-        Applier(Channel(tmp_path / "x", RUN), "sgd", 1.0)
+        applier_for(Channel(tmp_path / "x", RUN), "sgd", 1.0)
 
 
 def test_unreadable_entry_is_rejected_not_retried_forever(ch: Channel) -> None:
@@ -511,7 +511,7 @@ def test_event_log_rotation_keeps_ids_unique_across_restart(ch: Channel) -> None
     with sgd_applier(ch, events_max_bytes=600) as app:  # restart: nothing re-logged
         ch.publish_update(0, 12, 0, grad(0, 12))
         drain(app)
-        assert app.event_id == 14  # init + 13 applied
+        assert app.state.event_id == 14  # init + 13 applied
     ids = []
     for path in (rotated, ch.events_path):
         if path.exists():
@@ -519,9 +519,9 @@ def test_event_log_rotation_keeps_ids_unique_across_restart(ch: Channel) -> None
     assert ids == sorted(set(ids)) and ids[-1] == 14
 
 
-def test_cli_refuses_a_state_of_another_run(ch: Channel) -> None:
+def test_an_applier_refuses_a_state_of_another_run(ch: Channel) -> None:
     sgd_applier(ch).close()
-    proc = subprocess.run([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root),
+    proc = subprocess.run([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root),
                            "--run-id", "not-" + RUN, "--optimizer", "sgd"],
                           env=env_with_root(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "run id" in proc.stderr

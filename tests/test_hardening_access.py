@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from hpcdl import exchange as ex
-from hpcdl.applier import Applier
+from tests.helpers import APPLIER_PROCESS, applier_for
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel, CorruptFile, Signer
 from hpcdl.hybrid import ExchangeSync, adopt_master_weights, run_channel
@@ -129,7 +129,7 @@ def test_unknown_unix_group_is_refused_cleanly(tmp_path):
 
 def test_exchange_directory_and_files_under_umask_000(tmp_path, umask000):
     ch = Channel(tmp_path / "lustre" / "xch", "run", signer=Signer(b"k" * 32))
-    with Applier(ch, "sgd", 1.0, initial=W) as app:
+    with applier_for(ch, "sgd", 1.0, initial=W) as app:
         ch.publish_update(0, 0, 0, W)
         ch.propose_initial(1, W)  # ignored (a master exists) but written
         app.step()
@@ -205,7 +205,7 @@ def test_run_channels_reject_files_written_with_another_key(tmp_path):
     ch = run_channel(run, job)
     stranger = Channel(ch.root, run.run_id, signer=Signer(os.urandom(32)))
     unkeyed = Channel(ch.root, run.run_id)  # plain SHA-256: a downgrade attempt
-    with Applier(ch, "sgd", 1.0, initial=W) as app:
+    with applier_for(ch, "sgd", 1.0, initial=W) as app:
         ch.publish_update(0, 0, 0, W)
         stranger.publish_update(5, 0, 0, W)
         unkeyed.publish_update(6, 0, 0, W)
@@ -268,14 +268,14 @@ def test_applier_cli_key_file(tmp_path):
 
     from tests.test_applier import env_with_root
 
-    out = subprocess.run([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root), "--run-id",
+    out = subprocess.run([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root), "--run-id",
                           "r", "--key-file", str(key), "--optimizer", "sgd", "--idle-exit-after", "0.5",
                           "--no-fsync"], env=env_with_root(), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     status = json.loads(ch.status_path.read_text())
     assert status["counts"]["applied"] == 1 and status["counts"]["rejected_corrupt"] == 1
     os.chmod(key, 0o644)
-    out = subprocess.run([sys.executable, "-m", "hpcdl.applier", "--exchange", str(ch.root), "--run-id",
+    out = subprocess.run([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root), "--run-id",
                           "r", "--key-file", str(key)], env=env_with_root(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1 and "lets others read" in out.stderr

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hpcdl import exchange as ex
-from hpcdl.applier import Applier
+from tests.helpers import applier_for
 from hpcdl.exchange import Channel, CorruptFile, Signer
 
 RUN = "fuzz-run"
@@ -264,7 +264,7 @@ def test_every_truncation_of_a_valid_file(scratch):
 def test_update_larger_than_the_master_can_need_is_refused_before_reading(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", RUN, signer=Signer(KEY))
     w = {"w": np.zeros(16, np.float32)}
-    with Applier(ch, "sgd", 1.0, initial=w) as app:
+    with applier_for(ch, "sgd", 1.0, initial=w) as app:
         big = {"w": np.zeros(16, np.float32), "pad": np.zeros(4 << 20, np.uint8)}
         ch.publish_update(0, 0, 0, big)
         opened = []
@@ -294,7 +294,7 @@ def test_the_applier_survives_whatever_is_in_updates(blobs, headers):
     with tempfile.TemporaryDirectory(prefix="hpcdl-fuzz-app-") as d:
         ch = Channel(Path(d) / "x", RUN, signer=Signer(KEY), fsync=False, stripe=False)
         w = {"w": np.ones(4, np.float32)}
-        with Applier(ch, "sgd", 1.0, initial=w) as app:
+        with applier_for(ch, "sgd", 1.0, initial=w) as app:
             for i, blob in enumerate(blobs):
                 (ch.updates_dir / ex.update_name(100 + i, 0)).write_bytes(blob)
             for i, header in enumerate(headers):

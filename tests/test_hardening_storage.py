@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hpcdl.applier import Applier
+from tests.helpers import applier_for
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
 from hpcdl.hybrid import ExchangeSync
@@ -294,7 +295,7 @@ def grad(seq):
 
 
 def run_applier_through_full_disk(ch: Channel, break_disk, make_room, frozen: bool = True) -> Applier:
-    app = Applier(ch, "sgd", 1.0, initial={"w": np.zeros(8)}, max_batch=4)
+    app = applier_for(ch, "sgd", 1.0, initial={"w": np.zeros(8)}, max_batch=4)
     for s in range(4):
         ch.publish_update(0, s, 0, grad(s))
     assert app.step() == 4  # one good commit: version 4
@@ -341,10 +342,11 @@ def test_applier_on_a_full_tmpfs(tiny_fs):
 
 def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", fsync=False)
-    import hpcdl.applier.server as ap  # the module that writes
+    import hpcdl.applier.state as st  # the module that writes the durable state
+    import hpcdl.files as ap  # the module that appends the events
 
     real_write = ap.os.write
-    real_write_file = ap.write_file
+    real_write_file = st.write_file
 
     def half_write(fd, data):  # events.jsonl: part of the batch's lines, then full
         real_write(fd, bytes(data)[: max(1, len(data) // 2)])
@@ -366,19 +368,19 @@ def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch)
 
     def healing():
         monkeypatch.setattr(ap.os, "write", real_write)
-        monkeypatch.setattr(ap, "write_file", real_write_file)
+        monkeypatch.setattr(st, "write_file", real_write_file)
 
     app = run_applier_through_full_disk(ch, break_disk=breaking, make_room=healing, frozen=False)
     check_applier_after(ch, app)
     # and a state write that fails: the old state stays, nothing is applied twice
-    monkeypatch.setattr(ap, "write_file", no_state)
-    app = Applier(ch, "sgd", 1.0)
+    monkeypatch.setattr(st, "write_file", no_state)
+    app = applier_for(ch, "sgd", 1.0)
     ch.publish_update(0, 12, 0, grad(12))
     with pytest.raises(OSError):
         app.step()
-    monkeypatch.setattr(ap, "write_file", real_write_file)
+    monkeypatch.setattr(st, "write_file", real_write_file)
     app.close()
-    app = Applier(ch, "sgd", 1.0)
+    app = applier_for(ch, "sgd", 1.0)
     assert app.version == 12
     while app.step():
         pass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hpcdl.applier import Applier
+from tests.helpers import applier_for
 from hpcdl.applier.rules import UPDATE_RULES, RuleParams, make_rule
 from hpcdl.exchange import Channel
 
@@ -80,7 +80,7 @@ def test_unknown_rule_is_refused():
 
 def test_staleness_scaling_divides_by_staleness(tmp_path):
     ch = Channel(tmp_path / "x", "run", fsync=False)
-    with Applier(ch, "sgd", 1.0, initial={"w": np.zeros(1)}, staleness_scaling=True, lock=False) as app:
+    with applier_for(ch, "sgd", 1.0, initial={"w": np.zeros(1)}, staleness_scaling=True, lock=False) as app:
         for seq in range(3):  # all computed from version 0: staleness 0, 1, 2
             ch.publish_update(0, seq, 0, {"w": np.ones(1)})
         while app.step():
@@ -91,7 +91,7 @@ def test_staleness_scaling_divides_by_staleness(tmp_path):
 
 def test_a_replay_below_the_newest_processed_seq_is_never_applied(tmp_path):
     ch = Channel(tmp_path / "x", "run", fsync=False)
-    with Applier(ch, "sgd", 1.0, initial={"w": np.zeros(1)}, lock=False) as app:
+    with applier_for(ch, "sgd", 1.0, initial={"w": np.zeros(1)}, lock=False) as app:
         for seq in (1, 2):  # seq 0 was deleted by the backlog bound before the applier saw it
             ch.publish_update(0, seq, 0, {"w": np.ones(1)})
         while app.step():
