@@ -2,7 +2,7 @@
 """Many groups against K appliers: a load test of the asynchronous exchange on this machine.
 
 G simulated group roots (light processes: numpy and hpcdl.exchange only, no TensorFlow) run the
-real group-root code (:class:`hpcdl.hybrid.ExchangeSync`: publish the update, adopt the newest
+real group-root code (:class:`hpcdl.exchange.group.ExchangeSync`: publish the update, adopt the newest
 master weights when there is a newer one) at the paper's cadence, against K real appliers
 (:class:`hpcdl.applier.Applier`, Adam), each in its own process on its own shard's channel
 (``exchange.shards = K``: the tensors partitioned by bytes, :class:`hpcdl.exchange.shards.Partition`;
@@ -80,7 +80,7 @@ if str(ROOT) not in sys.path:
 
 from hpcdl.exchange import Channel, Signer, parse_update_name  # noqa: E402
 from hpcdl.exchange.shards import Partition  # noqa: E402
-from hpcdl.hybrid import ExchangeSync  # noqa: E402  (imported before the forks: shared)
+from hpcdl.exchange.group import ExchangeSync  # noqa: E402  (imported before the forks: shared)
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178

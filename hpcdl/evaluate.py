@@ -77,7 +77,7 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     if run is not None:
         job = run.load_job()
         if job.exchange.active(job.run.groups):
-            from hpcdl.hybrid import adopt_master_weights
+            from hpcdl.exchange.group import adopt_master_weights
 
             version = adopt_master_weights(run, job, model)
             if version is not None:

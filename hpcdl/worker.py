@@ -108,7 +108,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig
-    from hpcdl.hybrid import run_channel
+    from hpcdl.exchange.group import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     x = job.exchange
@@ -236,7 +236,7 @@ def _main(argv: list[str] | None) -> int:
     exchange = job.exchange.active(job.run.groups)
     sync = None
     if exchange and hvd.rank() == 0:
-        from hpcdl.hybrid import ExchangeSync
+        from hpcdl.exchange.group import ExchangeSync
 
         sync = ExchangeSync.for_run(run, job, group)
     paths = GroupPaths(

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from hpcdl.exchange import Channel
-from hpcdl.hybrid import ExchangeSync
+from hpcdl.exchange.group import ExchangeSync
 
 
 def weights(value: float) -> dict[str, np.ndarray]:

@@ -18,7 +18,7 @@ from hpcdl import exchange as ex
 from tests.helpers import APPLIER_PROCESS, applier_for
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel, CorruptFile, Signer
-from hpcdl.hybrid import ExchangeSync, adopt_master_weights, run_channel
+from hpcdl.exchange.group import ExchangeSync, adopt_master_weights, run_channel
 from hpcdl.runkey import Access, RunKeyError, create_key, load_key, load_key_file, run_signer
 from hpcdl.runs import RunError, append_jsonl, create_run, write_json_atomic
 from tests.conftest import HPCDL, set_args, tiny_overrides

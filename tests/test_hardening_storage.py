@@ -23,7 +23,7 @@ from hpcdl.applier import Applier
 from tests.helpers import applier_for
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
-from hpcdl.hybrid import ExchangeSync
+from hpcdl.exchange.group import ExchangeSync
 from hpcdl.runs import append_jsonl, create_run, read_jsonl, write_json_atomic
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.exchange import Channel
-from hpcdl.hybrid import ExchangeSync
+from hpcdl.exchange.group import ExchangeSync
 from hpcdl.runs import read_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 

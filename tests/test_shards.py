@@ -12,7 +12,7 @@ import pytest
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
-from hpcdl.hybrid import ExchangeSync, record_partition
+from hpcdl.exchange.group import ExchangeSync, record_partition
 from hpcdl.runs import create_run, read_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 

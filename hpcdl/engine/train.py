@@ -53,7 +53,7 @@ class TrainResult:
 
 
 class GroupSync(Protocol):
-    """The asynchronous exchange as the engine sees it (implemented in hpcdl.hybrid)."""
+    """The asynchronous exchange as the engine sees it (implemented in hpcdl.exchange.group)."""
 
     def initial_weights(self, names_and_values: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Root only: the weights every group starts from (proposing ours if none exist)."""

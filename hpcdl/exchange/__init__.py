@@ -1,6 +1,9 @@
 """The asynchronous exchange channel between group roots and the applier (parameter server).
 
 Pure numpy + stdlib. Tensors are ``dict[str, np.ndarray]``. Nothing here imports TensorFlow.
+The file format and its checks are :mod:`.format`, the directory protocol :mod:`.channel` (the
+:class:`Channel`), the partition of the tensors over sharded appliers :mod:`.shards`, and the
+group root's side (publish, adopt, wait) :mod:`.group`. This docstring is the protocol.
 
 Roles
 =====
@@ -8,7 +11,7 @@ Roles
   H = ``exchange.every`` steps (see the algorithms below) and adopts the newest *weights* file
   when one newer than its own copy exists. Publishing is a local write and a rename, reading the
   newest version a directory listing plus one file read; a root waits for the applier only when
-  ``exchange.max_outstanding`` asks it to (:mod:`hpcdl.hybrid`).
+  ``exchange.max_outstanding`` asks it to (:mod:`hpcdl.exchange.group`).
 * The **applier** (:mod:`hpcdl.applier`) keeps the master weights, applies updates in arrival
   order with its update rule (:mod:`hpcdl.applier.rules`) and publishes new weight versions. It
   alone deletes applied updates and old versions.
@@ -146,7 +149,7 @@ Full disks and quotas
 A publish that fails (ENOSPC, EDQUOT, any OSError) raises, and removes its temporary: no partial
 file is ever visible under a final name and the previous files are untouched. What to do about it
 is the caller's decision: the group root keeps the update in memory and retries at its next
-exchange (:mod:`hpcdl.hybrid`); the applier keeps its last committed state and retries.
+exchange (:mod:`hpcdl.exchange.group`); the applier keeps its last committed state and retries.
 
 Arrival order
 =============

@@ -12,7 +12,7 @@ weights came from`` (hpcdl.applier's definition); an update staler than `max_sta
 dropped unapplied (if max_staleness ≥ 0), and a group whose pending updates exceed
 `max_pending_per_group` deletes its oldest (hpcdl.exchange.Channel's backlog bound).
 
-How a group meets the applier depends on `max_outstanding` = K (hpcdl.hybrid's ExchangeSync):
+How a group meets the applier depends on `max_outstanding` = K (hpcdl.exchange.group's ExchangeSync):
 
 * K = 0 (never wait): the root publishes (λ + u/W), lists the directory (λ) and, if a newer master
   version is published, reads it (λ + n/W) and broadcasts it in the group (T(P, n)).

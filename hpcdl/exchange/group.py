@@ -43,7 +43,7 @@ from hpcdl.exchange.shards import Partition, PartitionMismatch
 from hpcdl.runs import RunDir
 from hpcdl.storage import StorageReport, is_storage_full, storage_report
 
-log = logging.getLogger("hpcdl.hybrid")
+log = logging.getLogger("hpcdl.exchange.group")
 
 INITIAL_WAIT_S = 60.0
 DEFAULT_UNPUBLISHED = 4  # updates kept in memory while publishing fails, without a channel bound
