@@ -93,3 +93,22 @@ def mpi_test_env(**extra: str) -> dict[str, str]:
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     return env
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A factory of tiny tmpfs mounts, unmounted at the end; skips when mounting is impossible."""
+    mounted = []
+
+    def make(name: str, size_kib: int) -> Path:
+        from tests.helpers.full_disk import small_fs
+
+        p = small_fs(tmp_path / name, size_kib)
+        if p is None:
+            pytest.skip("cannot mount a tmpfs here (not root, or no permission): injected-error tests cover this")
+        mounted.append(p)
+        return p
+
+    yield make
+    for p in mounted:
+        subprocess.run(["umount", "-l", str(p)], capture_output=True)

@@ -266,7 +266,7 @@ def test_applier_cli_key_file(tmp_path):
     Channel(ch.root, "r").publish_update(1, 0, 0, W)
     import sys
 
-    from tests.test_applier import env_with_root
+    from tests.applier.test_server import env_with_root
 
     out = subprocess.run([sys.executable, APPLIER_PROCESS, "--exchange", str(ch.root), "--run-id",
                           "r", "--key-file", str(key), "--optimizer", "sgd", "--idle-exit-after", "0.5",

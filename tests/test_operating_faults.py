@@ -267,7 +267,7 @@ def stop_leftovers(run_dir):
 
 @pytest.fixture
 def tiny_runs_fs(tmp_path):
-    from tests.test_hardening_storage import small_fs
+    from tests.helpers.full_disk import small_fs
 
     fs = small_fs(tmp_path / "runs", 48 << 10)
     if fs is None:
@@ -282,7 +282,7 @@ def test_a_full_runs_directory_does_not_end_the_run(hep_files, tmp_path, tiny_ru
     """The supervisor cannot write scheduler/local.json on a full disk: it records the problem
     in scheduler/storage.json (reserved at submit) and goes on watching; the run goes on."""
     from hpcdl.storage import read_report
-    from tests.test_hardening_storage import fill
+    from tests.helpers.full_disk import fill
 
     runs = tiny_runs_fs
     (runs / "filler").touch()  # its inode exists before the disk fills up

@@ -17,19 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hpcdl import exchange as ex  # noqa: E402
-from hpcdl.exchange import Channel, CorruptFile, Signer  # noqa: E402
+from hpcdl import exchange as ex
+from hpcdl.exchange import Channel, CorruptFile, Signer
+from tests.conftest import REPO
 
 RUN = "run-test"
 
 
 def env_with_root() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
 

@@ -17,14 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hpcdl import exchange as ex  # noqa: E402
-from hpcdl.applier import AlreadyRunning, Applier, Ledger  # noqa: E402
-from tests.helpers import APPLIER_PROCESS, applier_for  # noqa: E402
-from hpcdl.exchange import Channel, Signer  # noqa: E402
+from hpcdl import exchange as ex
+from hpcdl.applier import AlreadyRunning, Applier, Ledger
+from hpcdl.exchange import Channel, Signer
+from tests.conftest import REPO
+from tests.helpers import APPLIER_PROCESS, applier_for
 
 RUN = "run-applier-test"
 W0 = {"a": np.arange(6, dtype=np.float64).reshape(2, 3), "b": np.float64(10.0),
@@ -33,7 +30,7 @@ W0 = {"a": np.arange(6, dtype=np.float64).reshape(2, 3), "b": np.float64(10.0),
 
 def env_with_root(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(extra)
     return env
 
@@ -356,8 +353,7 @@ def test_exactly_once_with_publisher_threads_and_processes(ch: Channel) -> None:
     threads = [threading.Thread(target=publish, args=(g,)) for g in range(4)]
     script = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(ROOT / "tests")!r})
-        from test_applier import grad
+        from tests.applier.test_server import grad
         from hpcdl.exchange import Channel
         g = int(sys.argv[1]); ch = Channel({str(ch.root)!r}, {RUN!r})
         for s in range(25):
@@ -454,9 +450,17 @@ def test_kill9_at_random_points_while_publishing(ch: Channel) -> None:
     pub = threading.Thread(target=publisher)
     pub.start()
     kills = 0
+    def logged() -> int:
+        return ch.events_path.stat().st_size if ch.events_path.exists() else 0
+
     for _ in range(8):
+        before = logged()
         proc = start_applier(ch.root, "--max-batch", str(rng.choice([1, 2, 5])))
-        time.sleep(rng.uniform(0.25, 0.6))  # startup takes ~0.2 s
+        # killed at a random point once it works (start-up takes ~0.2 s, far longer when loaded)
+        deadline = time.monotonic() + 60
+        while logged() == before and ch.backlog() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.3))
         proc.send_signal(signal.SIGKILL)
         rc = proc.wait(timeout=30)
         kills += rc == -signal.SIGKILL

@@ -18,7 +18,7 @@ from hpcdl.submit import check_precision
 from hpcdl.engine.tuning import CpuInfo, compute_dtype, parse_cpuinfo, precision_policy, read_cpuinfo
 from hpcdl.workloads.hep.config import HepModelConfig
 from hpcdl.workloads.hep.workload import WORKLOAD
-from tests.test_tuning import CPUINFO, EPYC_AVX2
+from tests.engine.test_tuning import CPUINFO, EPYC_AVX2
 
 SPR = parse_cpuinfo(CPUINFO)
 

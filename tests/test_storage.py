@@ -1,6 +1,6 @@
-"""Full disk and quota (issue 7, part 2): a publish or checkpoint that fails with ENOSPC/EDQUOT
-leaves no partial file, keeps the previous good version, shows in `hpcdl status`, and training
-goes on.
+"""Full disk and quota: a storage report, a metrics/state write or a checkpoint that fails with
+ENOSPC/EDQUOT leaves no partial file, keeps the previous good version, shows in `hpcdl status`,
+and training goes on.
 
 Where the sandbox allows it (root, tmpfs), the disk is really full: a tiny tmpfs is mounted for
 the test. Otherwise, and in addition, the error is injected (an OSError / TensorFlow error raised
@@ -19,11 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl.applier import Applier
-from tests.helpers import applier_for
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
-from hpcdl.exchange.group import ExchangeSync
 from hpcdl.runs import append_jsonl, create_run, read_jsonl, write_json_atomic
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
@@ -31,64 +28,7 @@ from hpcdl.storage import (
 )
 from tests.conftest import REPO, tiny_overrides
 
-ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-
-def small_fs(path: Path, size_kib: int) -> Path | None:
-    """Mount a tmpfs of `size_kib` KiB at `path`; None where that is not allowed."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return None
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k,mode=0700", "tmpfs", str(path)],
-                       capture_output=True)
-    return path if r.returncode == 0 else None
-
-
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A factory of tiny tmpfs mounts, unmounted at the end; skips when mounting is impossible."""
-    mounted = []
-
-    def make(name: str, size_kib: int) -> Path:
-        p = small_fs(tmp_path / name, size_kib)
-        if p is None:
-            pytest.skip("cannot mount a tmpfs here (not root, or no permission): injected-error tests cover this")
-        mounted.append(p)
-        return p
-
-    yield make
-    for p in mounted:
-        subprocess.run(["umount", "-l", str(p)], capture_output=True)
-
-
-def fill(fs: Path, leave: int = 0) -> Path:
-    """Fill the (tiny, test-mounted) file system at `fs` until at most `leave` bytes are free."""
-    st = os.statvfs(fs)
-    assert st.f_blocks * st.f_frsize <= 64 << 20, f"refusing to fill {fs}: not a tiny test file system"
-    filler = fs / "filler"
-    with open(filler, "ab") as f:
-        while True:
-            st = os.statvfs(fs)
-            free = st.f_bavail * st.f_frsize
-            if free <= leave:
-                break
-            try:
-                f.write(b"\0" * min(free - leave, 1 << 20))
-                f.flush()
-            except OSError:
-                break
-    return filler
-
-
-def temporaries(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.name.startswith(".tmp")]
-
-
-def problems(path: Path) -> dict:
-    return (read_report(path) or {}).get("problems", {})
-
-
-W = {"w": np.ones(64 << 10, np.float32)}  # 256 KiB
+from tests.helpers.full_disk import ENOSPC, fill, problems, temporaries
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,200 +132,6 @@ def test_metrics_append_cut_back_after_an_injected_short_write(tmp_path, monkeyp
     monkeypatch.undo()
     append_jsonl(path, {"step": 3})
     assert read_jsonl(path) == [{"step": 1}, {"step": 3}]
-
-
-# ----------------------------------------------------------------------------------------------
-# exchange publish
-# ----------------------------------------------------------------------------------------------
-
-
-def check_publish_failure_keeps_everything(ch: Channel, sync: ExchangeSync, report_path: Path,
-                                           make_room, break_disk) -> None:
-    for step in (1, 2):
-        sync.after_step(step, lambda: W)
-    assert sync.seq == 2 and ch.backlog(0) == 2
-    break_disk()
-    for step in (3, 4, 5):
-        assert sync.after_step(step, lambda s=step: {"w": np.full(64 << 10, s, np.float32)}) is None
-    # nothing partial, the published updates intact, the new ones held in memory
-    assert temporaries(ch.root) == []
-    assert sorted(r.seq for r in ch.pending_updates()) == [0, 1]
-    for ref in ch.pending_updates():
-        ch.read_update(ref)
-    assert len(sync.unpublished) == 3 and sync.publish_failures == 3
-    stats = sync.stats()
-    assert stats["exchange_unpublished"] == 3 and stats["exchange_publish_failures"] == 3
-    p = problems(report_path)["exchange publish"]
-    assert p["count"] == 3 and "3 updates held" in p["detail"]
-    make_room()
-    sync.after_step(6, lambda: {"w": np.full(64 << 10, 6, np.float32)})
-    # published in order with contiguous sequence numbers: the ledger will see no gap
-    refs = sorted(ch.pending_updates(), key=lambda r: r.seq)
-    assert [r.seq for r in refs] == [0, 1, 2, 3, 4, 5]
-    assert [float(ch.read_update(r).tensors["w"][0]) for r in refs[2:]] == [3.0, 4.0, 5.0, 6.0]
-    assert not sync.unpublished and problems(report_path) == {}
-    assert read_report(report_path)["recovered"]["exchange publish"]["count"] == 3
-
-
-def test_publish_on_a_full_tmpfs(tiny_fs, tmp_path):
-    fs = tiny_fs("xch", 2048)
-    ch = Channel(fs / "x", "run", max_pending_per_group=100, fsync=False)
-    report_path = tmp_path / REPORT_FILE
-    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
-    state = {}
-    check_publish_failure_keeps_everything(
-        ch, sync, report_path, make_room=lambda: state["filler"].unlink(),
-        break_disk=lambda: state.update(filler=fill(fs, leave=100 << 10)))
-
-
-def test_publish_with_an_injected_edquot_at_close(tmp_path, monkeypatch):
-    """The late failure: the data were buffered, and the quota was exceeded when the file was
-    closed (where NFS and Lustre report write-back errors; update files are not fsynced)."""
-    ch = Channel(tmp_path / "x", "run", max_pending_per_group=100)
-    report_path = tmp_path / REPORT_FILE
-    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
-    real_fdopen = os.fdopen
-
-    class FullAtClose:
-        def __init__(self, f):
-            self._f = f
-
-        def __getattr__(self, name):
-            return getattr(self._f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self._f.close()
-            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
-
-    def broken(fd, *args, **kwargs):
-        f = real_fdopen(fd, *args, **kwargs)
-        return FullAtClose(f) if "/updates/" in os.readlink(f"/proc/self/fd/{fd}") else f
-
-    check_publish_failure_keeps_everything(
-        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(os, "fdopen", real_fdopen),
-        break_disk=lambda: monkeypatch.setattr(os, "fdopen", broken))
-
-
-def test_held_updates_are_bounded(tmp_path, monkeypatch):
-    ch = Channel(tmp_path / "x", "run", max_pending_per_group=2)
-    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0)
-
-    def broken(*a, **k):
-        raise OSError(errno.ENOSPC, "full")
-
-    monkeypatch.setattr(ch, "publish_update", broken)
-    for step in range(1, 11):
-        sync.after_step(step, lambda: W)
-    assert len(sync.unpublished) == 2 and sync.unpublished_dropped == 8
-    monkeypatch.setattr(ch, "publish_update", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "io")))
-    with pytest.raises(OSError):  # anything but a full disk is not hidden
-        sync.after_step(11, lambda: W)
-
-
-# ----------------------------------------------------------------------------------------------
-# the applier
-# ----------------------------------------------------------------------------------------------
-
-
-def grad(seq):
-    return {"w": np.full(8, float(seq + 1))}
-
-
-def run_applier_through_full_disk(ch: Channel, break_disk, make_room, frozen: bool = True) -> Applier:
-    app = applier_for(ch, "sgd", 1.0, initial={"w": np.zeros(8)}, max_batch=4)
-    for s in range(4):
-        ch.publish_update(0, s, 0, grad(s))
-    assert app.step() == 4  # one good commit: version 4
-    for s in range(4, 12):
-        ch.publish_update(0, s, 0, grad(s))
-    break_disk()
-    calls = {"n": 0}
-
-    def stop():
-        calls["n"] += 1
-        if calls["n"] == 6:
-            doc = read_report(ch.applier_dir / REPORT_FILE)
-            assert "applier commit" in doc["problems"] or "applier commit" in doc["recovered"]
-            if frozen:  # nothing durable changed while the disk was full
-                assert app.ch.read_latest_weights()[0] == 4
-            assert temporaries(ch.root) == []
-            make_room()
-        return calls["n"] > 6 and ch.backlog() == 0
-
-    app.run(poll_interval=0.01, stop=stop)
-    return app
-
-
-def check_applier_after(ch: Channel, app: Applier) -> None:
-    assert app.version == 12 and app.counts["applied"] == 12
-    np.testing.assert_array_equal(app.weights["w"], -np.full(8, sum(range(1, 13)), float))
-    evs = [json.loads(l) for l in ch.events_path.read_text().splitlines()]
-    applied = [(e["group"], e["seq"]) for e in evs if e["event"] == "applied"]
-    assert sorted(applied) == [(0, s) for s in range(12)]  # each once: none lost, none twice
-    ids = [e["event_id"] for e in evs]
-    assert ids == sorted(set(ids))
-    assert problems(ch.applier_dir / REPORT_FILE) == {}
-    app.close()
-
-
-def test_applier_on_a_full_tmpfs(tiny_fs):
-    fs = tiny_fs("app", 1024)
-    ch = Channel(fs / "x", "run", fsync=False)
-    state = {}
-    app = run_applier_through_full_disk(ch, break_disk=lambda: state.update(f=fill(fs)),
-                                        make_room=lambda: state["f"].unlink())
-    check_applier_after(ch, app)
-
-
-def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
-    ch = Channel(tmp_path / "x", "run", fsync=False)
-    import hpcdl.applier.state as st  # the module that writes the durable state
-    import hpcdl.files as ap  # the module that appends the events
-
-    real_write = ap.os.write
-    real_write_file = st.write_file
-
-    def half_write(fd, data):  # events.jsonl: part of the batch's lines, then full
-        real_write(fd, bytes(data)[: max(1, len(data) // 2)])
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
-    def no_state(*a, **k):
-        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
-
-    flip = {"n": 0}
-
-    def broken_write(fd, data):
-        if not os.readlink(f"/proc/self/fd/{fd}").endswith("events.jsonl"):
-            return real_write(fd, data)
-        flip["n"] += 1
-        return half_write(fd, data) if flip["n"] % 2 else real_write(fd, data)
-
-    def breaking():
-        monkeypatch.setattr(ap.os, "write", broken_write)
-
-    def healing():
-        monkeypatch.setattr(ap.os, "write", real_write)
-        monkeypatch.setattr(st, "write_file", real_write_file)
-
-    app = run_applier_through_full_disk(ch, break_disk=breaking, make_room=healing, frozen=False)
-    check_applier_after(ch, app)
-    # and a state write that fails: the old state stays, nothing is applied twice
-    monkeypatch.setattr(st, "write_file", no_state)
-    app = applier_for(ch, "sgd", 1.0)
-    ch.publish_update(0, 12, 0, grad(12))
-    with pytest.raises(OSError):
-        app.step()
-    monkeypatch.setattr(st, "write_file", real_write_file)
-    app.close()
-    app = applier_for(ch, "sgd", 1.0)
-    assert app.version == 12
-    while app.step():
-        pass
-    assert app.version == 13 and app.counts["applied"] == 13
-    app.close()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ def test_mutated_files_never_crash_the_process_or_hang(originals):
         import collections, json, random, sys
         from pathlib import Path
         sys.path.insert(0, {str(REPO)!r})
-        from tests.test_hardening_hdf5 import mutate, read_everything
+        from tests.workloads.hep.test_hdf5_hardening import mutate, read_everything
         from hpcdl.workloads.hep.data import DataError
         files = {{k: Path(p).read_bytes() for k, p in json.loads(sys.argv[1]).items()}}
         seen = collections.Counter()
