@@ -393,9 +393,11 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json):
     """Report versions, how Horovod was built, oneDNN, and the thread settings a rank would use."""
-    from hpcdl.doctor import report
+    from hpcdl.doctor import RankSetup, report
 
-    info = report()
+    setup = RankSetup.here()
+    os.environ.update(setup.plan.environment())  # before TensorFlow loads, as a worker does
+    info = report(setup)
     if as_json:
         _emit_json(info)
         return

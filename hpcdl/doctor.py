@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+from dataclasses import dataclass
 from typing import Any
 
 from hpcdl.config import TuningConfig
@@ -21,20 +22,37 @@ from hpcdl.engine.tuning import (
 )
 
 
-def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_task: bool = False) -> dict[str, Any]:
+@dataclass(frozen=True)
+class RankSetup:
+    """Where a rank on this host would run and the thread plan it would get."""
+
+    cpu: Any
+    mask: int
+    quota: float | None
+    usable: int
+    ranks_on_host: int
+    plan: Any  # hpcdl.engine.tuning.ThreadPlan
+
+    @classmethod
+    def here(cls, tuning: TuningConfig | None = None, ranks_on_host: int = 1,
+             slurm_task: bool = False) -> "RankSetup":
+        """`tuning`: a job's `[tuning]` section (default: the defaults); `ranks_on_host`: how many
+        ranks would share this host."""
+        tuning = tuning or TuningConfig()
+        cpu, mask, quota = read_cpuinfo(), affinity_cores(), cgroup_cpu_quota()
+        usable = usable_cores(mask, quota)
+        cores, why = cores_per_rank(os.environ, usable, ranks_on_host, slurm_task=slurm_task)
+        plan = plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=cpu)
+        return cls(cpu, mask, quota, usable, ranks_on_host, plan)
+
+
+def report(setup: RankSetup) -> dict[str, Any]:
     """A flat, ordered dict (rendered as a two-column table by the CLI, or as JSON).
 
-    `tuning` is a job's `[tuning]` section (default: the defaults); `ranks_on_host` how many ranks
-    would share this host.
+    Call it with the plan's environment in effect (``os.environ.update(setup.plan.environment())``
+    before TensorFlow loads, as a worker does): what oneDNN and OpenMP report depends on it.
     """
-    tuning = tuning or TuningConfig()
-    cpu = read_cpuinfo()
-    mask = affinity_cores()
-    quota = cgroup_cpu_quota()
-    usable = usable_cores(mask, quota)
-    cores, why = cores_per_rank(os.environ, usable, ranks_on_host, slurm_task=slurm_task)
-    plan = plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=cpu)
-    os.environ.update(plan.environment())  # before TensorFlow loads, as a worker does
+    cpu, mask, quota, usable, plan = setup.cpu, setup.mask, setup.quota, setup.usable, setup.plan
     import h5py
     import numpy
     import tensorflow as tf
@@ -53,7 +71,7 @@ def report(tuning: TuningConfig | None = None, ranks_on_host: int = 1, slurm_tas
         "usable_cores": usable,
         "usable_cores_why": (f"affinity mask {mask} CPUs" +
                              (f", cgroup quota {quota:g} CPUs" if quota is not None else ", no cgroup quota")),
-        "ranks_on_host": ranks_on_host,
+        "ranks_on_host": setup.ranks_on_host,
         "intra_op_threads": plan.intra_op,
         "intra_op_why": plan.why("intra_op"),
         "inter_op_threads": plan.inter_op,

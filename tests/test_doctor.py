@@ -1,0 +1,35 @@
+"""`hpcdl doctor`: what this installation is, and the thread plan a rank would get."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from hpcdl.doctor import RankSetup, report
+from tests.conftest import HPCDL
+
+
+def test_doctor_reports_the_installation_and_a_ranks_plan():
+    proc = subprocess.run([HPCDL, "doctor", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    import horovod
+    import tensorflow as tf
+
+    assert info["tensorflow"] == tf.__version__ and info["horovod"] == horovod.__version__
+    assert info["horovod_tensorflow"] is True and info["horovod_gloo"] is True
+    setup = RankSetup.here()
+    assert info["usable_cores"] == setup.usable
+    assert info["intra_op_threads"] == setup.plan.intra_op and info["inter_op_threads"] == setup.plan.inter_op
+    # the process ran with the plan's environment, as a worker does
+    assert info["OMP_NUM_THREADS"] == setup.plan.environment().get("OMP_NUM_THREADS")
+    for field in ("intra_op", "inter_op", "onednn", "precision"):
+        assert info[f"{field}_why"], field
+
+
+def test_report_leaves_the_environment_alone():
+    before = dict(os.environ)
+    info = report(RankSetup.here(ranks_on_host=2))
+    assert dict(os.environ) == before
+    assert info["ranks_on_host"] == 2
