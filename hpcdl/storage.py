@@ -158,25 +158,6 @@ class StorageReport:
             self._fd = None
 
 
-_REPORTS: dict[str, StorageReport] = {}
-_REPORTS_LOCK = threading.Lock()
-
-
-def storage_report(path: str | os.PathLike[str], access: Access | None = None) -> StorageReport:
-    """The process-wide report kept at ``path`` (one object per file, shared by its writers)."""
-    key = os.path.abspath(path)
-    with _REPORTS_LOCK:
-        report = _REPORTS.get(key)
-        if report is None:
-            report = _REPORTS[key] = StorageReport(path, access)
-        return report
-
-
-def report_beside(path: str | os.PathLike[str]) -> StorageReport:
-    """The report in the same directory as ``path`` (a group's state.json: its group directory)."""
-    return storage_report(Path(path).parent / REPORT_FILE)
-
-
 def read_report(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """A report as written (None when there is none; ``{"unreadable": True}`` when torn)."""
     try:

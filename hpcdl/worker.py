@@ -234,11 +234,15 @@ def _main(argv: list[str] | None) -> int:
     workload = get_workload(job.workload)
     stats = ensure_stats(run, workload, job, is_root=hvd.rank() == 0)
     exchange = job.exchange.active(job.run.groups)
-    sync = None
+    sync = storage = None
+    if hvd.rank() == 0:
+        from hpcdl.storage import StorageReport
+
+        storage = StorageReport(run.storage_file(group))
     if exchange and hvd.rank() == 0:
         from hpcdl.exchange.group import ExchangeSync
 
-        sync = ExchangeSync.for_run(run, job, group)
+        sync = ExchangeSync.for_run(run, job, group, storage)
     paths = GroupPaths(
         checkpoints=run.checkpoint_dir(group),
         metrics=run.metrics_file(group),
@@ -268,7 +272,7 @@ def _main(argv: list[str] | None) -> int:
         validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
 
     result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                         exchange=exchange, sync=sync, stop_requested=stop_requested, report=report,
+                         storage=storage, exchange=exchange, sync=sync, stop_requested=stop_requested, report=report,
                          pace=pace, validate=validate)
     if result.stopped and hvd.rank() == 0:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);

@@ -24,7 +24,6 @@ from hpcdl.exchange import Channel
 from hpcdl.runs import append_jsonl, create_run, read_jsonl, write_json_atomic
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
-    storage_report,
 )
 from tests.conftest import REPO, tiny_overrides
 
@@ -210,6 +209,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from hpcdl.config import load_job
 from hpcdl.engine.train import GroupPaths, train_group
+from hpcdl.storage import REPORT_FILE, StorageReport
 from hpcdl.workloads import get_workload
 
 out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))
@@ -239,7 +239,7 @@ job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
 paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", out / "tb")
-result = train_group(job, workload, hvd, paths, stats, group=0, groups=1)
+result = train_group(job, workload, hvd, paths, stats, group=0, groups=1, storage=StorageReport(out / REPORT_FILE))
 print("STEPS", result.steps_run)
 """
 
@@ -291,7 +291,7 @@ def test_status_shows_storage_problems(tmp_path):
         pass
     quiet = collect(run, backend_view={})
     assert [w for w in quiet["storage"] if w["where"] != "file system"] == []
-    storage_report(run.storage_file(1)).failed(
+    StorageReport(run.storage_file(1)).failed(
         "checkpoint", OSError(errno.EDQUOT, "Disk quota exceeded [bad markup]"),
         detail="step 20 not saved; kept ckpt-10")
     ch = Channel(run.exchange_dir(job), run.run_id)

@@ -28,7 +28,7 @@ from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.runs import append_jsonl, write_json_atomic
-from hpcdl.storage import attempt, report_beside, save_checkpoint
+from hpcdl.storage import StorageReport, attempt, save_checkpoint
 from hpcdl.engine.tuning import precision_policy
 
 MANIFEST = "manifest.json"
@@ -77,27 +77,77 @@ def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape
     })
 
 
+class _Recorder:
+    """Rank 0's files: metrics lines, TensorBoard scalars, the state file and checkpoints. A full
+    disk or quota is recorded in the group's storage report (hpcdl status shows it) and training
+    goes on."""
+
+    def __init__(self, paths: GroupPaths, storage: StorageReport):
+        self.paths, self.storage = paths, storage
+        self.writer = tf.summary.create_file_writer(str(paths.tensorboard))
+
+    def _scalars(self, step: int, values: dict[str, float]) -> None:
+        def write():
+            with self.writer.as_default(step=step):
+                for key, value in values.items():
+                    tf.summary.scalar(key, value)
+
+        attempt(self.storage, "tensorboard", write)
+
+    def validation(self, step: int, validation: dict[str, Any]) -> None:
+        self._scalars(step, {k.replace("val_", "validation/", 1): v for k, v in validation.items()
+                             if k not in ("val_step", "val_master_version")})
+
+    def metrics(self, step: int, line: dict[str, Any]) -> None:
+        attempt(self.storage, "metrics", append_jsonl, self.paths.metrics, line)
+        self._scalars(step, {k: line[k] for k in ("loss", "images_per_s", "flops_per_s_group")})
+        self.state({"state": "running", **line})
+
+    def state(self, doc: dict[str, Any]) -> None:
+        attempt(self.storage, "state", write_json_atomic, self.paths.state, doc)
+
+    def checkpoint(self, manager, step: int) -> None:
+        # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.
+        save_checkpoint(self.storage, lambda: manager.save(checkpoint_number=step), self.paths.checkpoints, step)
+
+    def close(self) -> None:
+        attempt(self.storage, "tensorboard", self.writer.flush)
+
+
+def _agree(hvd, adopted: bool, stop: bool) -> tuple[bool, bool]:
+    """One small collective decides, for all ranks at the same step, whether to adopt the master
+    weights the root read (only the root touches the shared directory) and whether to stop
+    (signals reach ranks at different moments)."""
+    flags = hvd.allreduce(tf.constant([int(adopted), int(stop)], tf.int32), op=hvd.Max, name="group_flags")
+    adopt, stop = (bool(v) for v in flags.numpy())
+    return adopt, stop
+
+
 def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
-                group: int, groups: int, exchange: bool = False, sync: GroupSync | None = None,
-                stop_requested: Callable[[], bool] | None = None,
+                group: int, groups: int, storage: StorageReport | None = None, exchange: bool = False,
+                sync: GroupSync | None = None, stop_requested: Callable[[], bool] | None = None,
                 report: dict[str, Any] | None = None,
                 pace: Callable[[int, float], None] | None = None,
                 validate: Callable[[Any], dict[str, float]] | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
-    group was formed. `exchange` must be the same on every rank of the group (it adds collective
-    steps); `sync` is given to rank 0 only. `stop_requested` (a signal flag, e.g. SLURM's warning
-    before the time limit) is agreed on by all ranks at each step: the group checkpoints and
-    returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
-    `pace(step, started)`, called after each step with the step's start (perf_counter), may
-    stretch it (the straggler emulator, hpcdl.emulate). `validate(model)` (rank 0; the workload's
-    figures on a fixed validation subset) runs every `train.validate_every` steps and at the end;
-    with an exchange, at the first adoption from then on, so it scores the master weights.
+    group was formed. `storage` (rank 0) records the files that could not be written.
+    `exchange` must be the same on every rank of the group (it adds collective steps); `sync` is
+    given to rank 0 only. `stop_requested` (a signal flag, e.g. SLURM's warning before the time
+    limit) is agreed on by all ranks at each step: the group checkpoints and returns early with
+    `stopped=True`. `report` adds fixed fields to every metrics record. `pace(step, started)`,
+    called after each step with the step's start (perf_counter), may stretch it (the straggler
+    emulator, hpcdl.emulate). `validate(model)` (rank 0; the workload's figures on a fixed
+    validation subset) runs every `train.validate_every` steps and at the end; with an exchange,
+    at the first adoption from then on, so it scores the master weights.
+
+    The loop is one function so that the order of its collectives (identical on every rank) can
+    be read in one place.
     """
-    if exchange and hvd.rank() == 0 and sync is None:
-        raise ValueError("rank 0 of a group with an exchange needs its GroupSync")
     rank, size = hvd.rank(), hvd.size()
+    if rank == 0 and (storage is None or (exchange and sync is None)):
+        raise ValueError("rank 0 of a group needs its storage report, and its GroupSync with an exchange")
     input_shape = workload.input_shape(job)
     # mixed_bfloat16: the model computes in bfloat16; variables, optimizer slots, gradients as
     # applied, checkpoints and exchange files stay float32 (the policy's variable dtype).
@@ -120,14 +170,14 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     # Every rank starts from rank 0's weights, whatever each built or restored.
     hvd.broadcast_variables(variables, root_rank=0)
 
+    recorder = None
     if rank == 0:
         paths.checkpoints.mkdir(parents=True, exist_ok=True)
         write_manifest(paths.checkpoints, job, stats, input_shape, model)
-        writer = tf.summary.create_file_writer(str(paths.tensorboard))
+        recorder = _Recorder(paths, storage)
 
     shard = group * size + rank
     batches = workload.train_batches(job, stats, shard, groups * size, seed=job.train.seed + resumed_from)
-
     train_step = make_train_step(lambda batch: workload.loss(model, batch, training=True),
                                  variables, optimizer, hvd)
 
@@ -137,15 +187,14 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     run_start, train_start = time.perf_counter(), time.time()
     total_steps_here = 0
     coordinate = exchange or stop_requested is not None
-    stopped = False
+    stopped = adopt = False
     validate_every = job.train.validate_every if validate is not None and rank == 0 else 0
     validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
     validation_due = False
 
     for current in range(resumed_from + 1, job.train.steps + 1):
         started = time.perf_counter()
-        batch = next(batches)
-        loss, grads = train_step(batch)
+        loss, grads = train_step(next(batches))
         if pace is not None:
             pace(current, started)
         step.assign(current)
@@ -157,39 +206,25 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             if exchange and rank == 0:
                 adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)},
                                           lambda: {n: v.numpy() for n, v in zip(names, variables)})
-            # One small collective decides, for all ranks at the same step, whether to adopt the
-            # master weights the root read (only the root touches the shared directory) and
-            # whether to stop (signals reach ranks at different moments).
-            local = [int(adopted is not None), int(stop_requested() if stop_requested else 0)]
-            adopt, stop = (int(v) for v in hvd.allreduce(tf.constant(local, tf.int32), op=hvd.Max,
-                                                         name="group_flags").numpy())
+            adopt, stopped = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
             if adopt:
                 if rank == 0:
                     _assign(variables, names, adopted)
                 hvd.broadcast_variables(variables, root_rank=0)
-            stopped = bool(stop)
 
         if validate_every:
             validation_due = validation_due or current % validate_every == 0
-            adopted_now = not exchange or bool(adopt)
+            adopted_now = not exchange or adopt
             if (validation_due and adopted_now) or current == job.train.steps:
                 validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
                 if exchange and adopted_now:  # at the last step, maybe the group's own weights
                     validation["val_master_version"] = sync.stats().get("exchange_version")
                 validation_due = False
-
-                def val_summaries():
-                    with writer.as_default(step=current):
-                        for key, value in validation.items():
-                            if key not in ("val_step", "val_master_version"):
-                                tf.summary.scalar(key.replace("val_", "validation/", 1), value)
-
-                attempt(report_beside(paths.state), "tensorboard", val_summaries)
+                recorder.validation(current, validation)
 
         if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
             elapsed = time.perf_counter() - window_start
             per_rank_images = window_steps * batch_images / elapsed
-            sustained_elapsed = time.perf_counter() - run_start
             last = {
                 "time": time.time(),
                 "train_start": train_start,
@@ -201,40 +236,26 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                 "images_per_s": per_rank_images * size,
                 "flops_per_s_rank": per_rank_images * flops_per_example,
                 "flops_per_s_group": per_rank_images * flops_per_example * size,
-                "sustained_flops_per_s_group":
-                    total_steps_here * batch_images * flops_per_example * size / sustained_elapsed,
+                "sustained_flops_per_s_group": total_steps_here * batch_images * flops_per_example * size
+                                               / (time.perf_counter() - run_start),
                 **(report or {}),
+                **(sync.stats() if exchange else {}),
+                **validation,
             }
-            if exchange:
-                last.update(sync.stats())
-            last.update(validation)
-            # A full disk or quota is recorded (hpcdl status shows it) and training goes on.
-            attempt(report_beside(paths.state), "metrics", append_jsonl, paths.metrics, last)
-
-            def summaries():
-                with writer.as_default(step=current):
-                    for key in ("loss", "images_per_s", "flops_per_s_group"):
-                        tf.summary.scalar(key, last[key])
-
-            attempt(report_beside(paths.state), "tensorboard", summaries)
-            attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
-                    {"state": "running", **last})
+            recorder.metrics(current, last)
             window_start, window_steps = time.perf_counter(), 0
         if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
-            # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.
-            save_checkpoint(report_beside(paths.state), lambda: manager.save(checkpoint_number=current),
-                            paths.checkpoints, current)
+            recorder.checkpoint(manager, current)
         if stopped:
             break
 
     # Data parallelism's invariant, asked of the ranks themselves: one 8-byte digest each.
     digests = hvd.allgather(tf.constant([weights_digest(variables)], tf.int64), name="replica_digests").numpy()
     if rank == 0:
-        attempt(report_beside(paths.state), "tensorboard", writer.flush)
+        recorder.close()
         final = last or {"step": int(step.numpy()), **(report or {})}
-        attempt(report_beside(paths.state), "state", write_json_atomic, paths.state,
-                {"state": "stopped" if stopped else "finished", **final,
-                 "replicas_identical": bool((digests == digests[0]).all())})
+        recorder.state({"state": "stopped" if stopped else "finished", **final,
+                        "replicas_identical": bool((digests == digests[0]).all())})
     return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
 
 

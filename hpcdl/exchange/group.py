@@ -41,7 +41,7 @@ import numpy as np
 from hpcdl.exchange import Channel, atomic_write_bytes
 from hpcdl.exchange.shards import Partition, PartitionMismatch
 from hpcdl.runs import RunDir
-from hpcdl.storage import StorageReport, is_storage_full, storage_report
+from hpcdl.storage import StorageReport, is_storage_full
 
 log = logging.getLogger("hpcdl.exchange.group")
 
@@ -132,11 +132,13 @@ class ExchangeSync:
         return min(self.versions)
 
     @classmethod
-    def for_run(cls, run: RunDir, job, group: int) -> "ExchangeSync":
+    def for_run(cls, run: RunDir, job, group: int, report: StorageReport) -> "ExchangeSync":
+        """Group `group`'s root of `run`; `report` is the group's storage report (shared with the
+        engine's writes)."""
         x = job.exchange
         channels = [run_channel(run, job, shard=k, max_pending_per_group=x.max_pending_per_group)
                     for k in range(x.shard_count)]
-        return cls(channels, group, x.every, report=storage_report(run.storage_file(group)),
+        return cls(channels, group, x.every, report=report,
                    kind=x.kind, max_outstanding=x.max_outstanding,
                    reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype,
                    on_partition=(lambda p: record_partition(run, job, p)) if x.shard_count > 1 else None)

@@ -28,7 +28,7 @@ from hpcdl.launch import (
 )
 from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
-from hpcdl.storage import attempt, storage_report
+from hpcdl.storage import StorageReport, attempt
 
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 # A rank per core is best; a few may share one: tests, a small hybrid run, and the hybrid race's
@@ -109,7 +109,7 @@ class Supervisor:
                 raise RunError('run.controller = "mpi": no mpirun or mpiexec on PATH')
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
-        self.storage = storage_report(run.supervisor_storage_file, run.access(self.job))
+        self.storage = StorageReport(run.supervisor_storage_file, run.access(self.job))
 
     # -- processes -------------------------------------------------------------------------
     def _start_group(self, gp: GroupProcs) -> None:
