@@ -184,6 +184,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
     """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
     from hpcdl.display import status_view
     from hpcdl.runs import find_run
+    from hpcdl.runs import State
     from hpcdl.status import collect
 
     if plot and watch:
@@ -211,7 +212,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
             while True:
                 current = collect(run_dir)
                 live.update(status_view(current))
-                if current["state"] not in ("running", "pending"):
+                if current["state"] not in (State.RUNNING, State.PENDING):
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from hpcdl.config import Job, JobError, load_job
-from hpcdl.runs import RunDir, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
 
@@ -121,7 +121,7 @@ def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, A
         except Exception:
             state = {}
         # "finished" would let the applier end at once; the ranks report again from their start
-        write_json_atomic(path, {**(state if isinstance(state, dict) else {}), "state": "pending"})
+        write_json_atomic(path, {**(state if isinstance(state, dict) else {}), "state": State.PENDING})
     resumed = list(run.info().get("resumed", []))
     resumed.append(time.time())
     run.update_info(backend=job.run.backend, resumed=resumed)

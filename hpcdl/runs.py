@@ -36,6 +36,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -51,6 +52,29 @@ import tomllib
 STOP_MARK_NAME = "stop"
 REQUEUE_MARK_NAME = "requeue"
 PLANNED_REQUEUES_NAME = "planned-requeues"  # SLURM: the requeues a group asked for itself
+
+class State(StrEnum):
+    """What a group (or a whole run) is doing, in the few words a user needs: each backend maps
+    its own states onto these, and the training reports ``finished`` or ``stopped`` itself."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    REQUEUED = "requeued"
+    SUSPENDED = "suspended"
+    PREEMPTED = "preempted"
+    STOPPED = "stopped"  # checkpointed on request (a signal, cancel), to be requeued or resumed
+    FINISHED = "finished"  # trained to train.steps: the training's own word
+    COMPLETED = "completed"  # the scheduler saw it end well; the training did not say finished
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    LOST = "lost"  # its supervisor died while it was queued or running
+    UNKNOWN = "unknown"
+
+
+ENDED = frozenset({State.FINISHED, State.CANCELLED, State.FAILED, State.LOST, State.TIMEOUT, State.COMPLETED})
+FAILED = frozenset({State.FAILED, State.LOST, State.TIMEOUT})
+
 
 class RunError(ValueError):
     """No such run, or a directory that is not a run."""

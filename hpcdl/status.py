@@ -21,12 +21,10 @@ import json
 import time
 from typing import Any
 
-from hpcdl.runs import RunDir, read_jsonl
+from hpcdl.runs import ENDED, FAILED, RunDir, State, read_jsonl
 from hpcdl.storage import REPORT_FILE, low_space, read_report
 
 
-ENDED = ("finished", "cancelled", "failed", "lost", "timeout", "completed")
-FAILED = ("failed", "lost", "timeout")
 
 
 def _read_json(path) -> dict[str, Any] | None:
@@ -53,7 +51,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         state = _read_json(run.group_state_file(g)) or {}
         last = metrics[-1] if metrics else {}
         backend = backend_view.get("groups", {}).get(str(g), {})
-        reported = state.get("state", "pending")
+        reported = state.get("state", State.PENDING)
         group_state = _group_state(reported, backend.get("state"))
         # A group that has ended exchanges nothing more: its exchange age stops at its last report.
         until = last.get("time", now) if group_state in ENDED else now
@@ -100,8 +98,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
     storage = _storage_warnings(run, job, groups, applier is not None)
     totals = {
         # running groups' rates; once none runs, the rates they last reported
-        "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == "running")
-        if any(g["state"] == "running" for g in groups) else _sum(g["images_per_s"] for g in groups),
+        "images_per_s": _sum(g["images_per_s"] for g in groups if g["state"] == State.RUNNING)
+        if any(g["state"] == State.RUNNING for g in groups) else _sum(g["images_per_s"] for g in groups),
         "sustained_flops_per_s": _sum(g["sustained_flops_per_s"] for g in groups),
         "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
         "nodes": job.run.nodes,
@@ -216,23 +214,24 @@ def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _group_state(reported: str, scheduler_state: str | None) -> str:
+def _group_state(reported: str, scheduler_state: str | None) -> State:
     """The training's own word wins once it finished; otherwise the scheduler knows better."""
-    if reported == "finished":
-        return "finished"
-    return (scheduler_state or reported).lower()
+    if reported == State.FINISHED:
+        return State.FINISHED
+    word = (scheduler_state or reported).lower()
+    return State(word) if word in State.__members__.values() else State.UNKNOWN
 
 
-def _run_state(states: list[str]) -> str:
-    if all(s == "finished" for s in states):
-        return "finished"
-    if any(s in ("running", "pending", "requeued", "configuring", "completing") for s in states):
-        return "running"
-    if any(s in ("failed", "lost", "timeout") for s in states):
-        return "failed"
-    if "cancelled" in states:
-        return "cancelled"
-    return states[0] if states else "unknown"
+def _run_state(states: list[State]) -> State:
+    if all(s == State.FINISHED for s in states):
+        return State.FINISHED
+    if any(s in (State.RUNNING, State.PENDING, State.REQUEUED) for s in states):
+        return State.RUNNING
+    if any(s in FAILED for s in states):
+        return State.FAILED
+    if State.CANCELLED in states:
+        return State.CANCELLED
+    return states[0] if states else State.UNKNOWN
 
 
 def _sum(values) -> float | None:

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
-from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 
 STATS_WAIT_S = 3600.0
@@ -71,7 +71,7 @@ def groups_finished(run: RunDir, groups: int) -> bool:
             state = json.loads(run.group_state_file(g).read_bytes())
         except (OSError, ValueError):  # missing, torn, binary: not finished (a rank rewrites it)
             return False
-        if not isinstance(state, dict) or state.get("state") != "finished":
+        if not isinstance(state, dict) or state.get("state") != State.FINISHED:
             return False
     return True
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _main(argv: list[str] | None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hpcdl.worker")
     parser.add_argument("run_dir", type=Path)
     mode = parser.add_mutually_exclusive_group()
@@ -172,8 +172,11 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--shard", type=int, default=0, help="with --applier: which shard (exchange.shards)")
     parser.add_argument("--slurm-array", action="store_true",
                         help="with --applier: also stop once SLURM holds no element of the group array")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _main(argv: list[str] | None) -> int:
+    args = _parser().parse_args(argv)
     # Installed first: SLURM's warning signal may come while TensorFlow is still loading.
     # SIGINT (Ctrl-C) and SIGTERM (a cancel, the supervisor's stop) ask for the same as USR1: the
     # group agrees on a step, checkpoints there and stops -- no KeyboardInterrupt traceback.
@@ -189,8 +192,12 @@ def _main(argv: list[str] | None) -> int:
     if args.applier:
         return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
                              early_signal=lambda: stop["signal"], shard=args.shard)
-    report = {}
-    mpi = job.run.controller == "mpi"
+    return serve_rank(run, job, args, stop)
+
+
+def _place(args: argparse.Namespace, run: RunDir, mpi: bool) -> tuple[RankEnv, dict]:
+    """Where this rank sits, with Horovod's (or MPI's) variables set for it, and the fields it adds
+    to every metrics line."""
     if args.slurm:
         rank_env = RankEnv.from_slurm(os.environ)
         if mpi:  # srun --mpi=<slurm.mpi> made the group one MPI job
@@ -198,15 +205,20 @@ def _main(argv: list[str] | None) -> int:
         else:
             host, _, port = os.environ["HPCDL_RENDEZVOUS"].rpartition(":")
             os.environ.update(rank_env.to_horovod_env(host, int(port), os.environ.get("HPCDL_GLOO_IFACE", "")))
-        report = {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
-                  "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
-    elif args.mpi:
+        return rank_env, {"slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+                          "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
+    if args.mpi:
         rank_env = RankEnv.from_mpi(os.environ, socket.gethostname())
         log_to(run.rank_log(rank_env.group, rank_env.rank))
         os.environ.update(rank_env.to_mpi_env())
-    else:
-        rank_env = RankEnv.from_horovod(os.environ)
+        return rank_env, {}
+    return RankEnv.from_horovod(os.environ), {}
 
+
+def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
+    """One rank of a group: tune the CPU before TensorFlow loads, join the group, train."""
+    mpi = job.run.controller == "mpi"
+    rank_env, report = _place(args, run, mpi)
     # The local backend runs every rank of every group on this host (under mpirun too); under
     # SLURM a node holds its group's ranks_per_node.
     on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
@@ -222,34 +234,27 @@ def _main(argv: list[str] | None) -> int:
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 
-    from hpcdl.engine.tuning import configure_tensorflow
     from hpcdl.engine.train import GroupPaths, train_group
+    from hpcdl.engine.tuning import configure_tensorflow
+    from hpcdl.storage import StorageReport
     from hpcdl.workloads import get_workload
 
     configure_tensorflow(plan)
     hvd.init()
     if mpi:
         rank_env.check_mpi_world(hvd.rank(), hvd.size())
-    group = rank_env.group
+    group, root = rank_env.group, hvd.rank() == 0
     workload = get_workload(job.workload)
-    stats = ensure_stats(run, workload, job, is_root=hvd.rank() == 0)
+    stats = ensure_stats(run, workload, job, is_root=root)
     exchange = job.exchange.active(job.run.groups)
-    sync = storage = None
-    if hvd.rank() == 0:
-        from hpcdl.storage import StorageReport
-
-        storage = StorageReport(run.storage_file(group))
-    if exchange and hvd.rank() == 0:
+    storage = StorageReport(run.storage_file(group)) if root else None
+    sync = None
+    if exchange and root:
         from hpcdl.exchange.group import ExchangeSync
 
         sync = ExchangeSync.for_run(run, job, group, storage)
-    paths = GroupPaths(
-        checkpoints=run.checkpoint_dir(group),
-        metrics=run.metrics_file(group),
-        state=run.group_state_file(group),
-        tensorboard=run.tensorboard_dir(group),
-    )
-    stop_mark = run.stop_mark(group)
+    paths = GroupPaths(checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
+                       state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group))
     pace = None
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator
@@ -257,14 +262,14 @@ def _main(argv: list[str] | None) -> int:
         emulator = Emulator(job.emulate, group * hvd.size() + hvd.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
         report["emulated"] = emulator.describe()
+    stop_mark = run.stop_mark(group)
 
     def stop_requested() -> bool:
         # Rank 0's view is enough: the engine spreads it to the group with a collective.
-        return stop["requested"] or (hvd.rank() == 0 and stop_mark.exists())
+        return stop["requested"] or (root and stop_mark.exists())
 
     if sync is not None:
         sync.interrupt = stop_requested
-
     validate = None
     val = Path(getattr(job.data, "val", "") or "")
     # With an exchange the master weights are scored, once: by group 0's root.
@@ -272,9 +277,9 @@ def _main(argv: list[str] | None) -> int:
         validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
 
     result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                         storage=storage, exchange=exchange, sync=sync, stop_requested=stop_requested, report=report,
-                         pace=pace, validate=validate)
-    if result.stopped and hvd.rank() == 0:
+                         storage=storage, exchange=exchange, sync=sync, stop_requested=stop_requested,
+                         report=report, pace=pace, validate=validate)
+    if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the batch script to requeue.
         run.requeue_mark(group).touch()

@@ -27,7 +27,7 @@ import tensorflow as tf
 from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
-from hpcdl.runs import append_jsonl, write_json_atomic
+from hpcdl.runs import State, append_jsonl, write_json_atomic
 from hpcdl.storage import StorageReport, attempt, save_checkpoint
 from hpcdl.engine.tuning import precision_policy
 
@@ -101,7 +101,7 @@ class _Recorder:
     def metrics(self, step: int, line: dict[str, Any]) -> None:
         attempt(self.storage, "metrics", append_jsonl, self.paths.metrics, line)
         self._scalars(step, {k: line[k] for k in ("loss", "images_per_s", "flops_per_s_group")})
-        self.state({"state": "running", **line})
+        self.state({"state": State.RUNNING, **line})
 
     def state(self, doc: dict[str, Any]) -> None:
         attempt(self.storage, "state", write_json_atomic, self.paths.state, doc)
@@ -254,7 +254,7 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     if rank == 0:
         recorder.close()
         final = last or {"step": int(step.numpy()), **(report or {})}
-        recorder.state({"state": "stopped" if stopped else "finished", **final,
+        recorder.state({"state": State.STOPPED if stopped else State.FINISHED, **final,
                         "replicas_identical": bool((digests == digests[0]).all())})
     return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
 

@@ -26,7 +26,7 @@ from hpcdl.config import Job, JobError
 from hpcdl.launch import (
     MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous, worker_environ,
 )
-from hpcdl.runs import RunDir, RunError, read_json_file, write_json_atomic
+from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt
 
@@ -82,7 +82,7 @@ class GroupProcs:
     procs: list[subprocess.Popen] = field(default_factory=list)
     rendezvous: Any = None
     restarts: int = 0
-    state: str = "pending"
+    state: State = State.PENDING
     next_start: float = 0.0
     exit_codes: list[int | None] = field(default_factory=list)
     # How to ask the processes to checkpoint and stop: the ranks take SIGTERM; mpirun would kill
@@ -128,7 +128,7 @@ class Supervisor:
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
             ))
             log.close()
-        gp.state = "running"
+        gp.state = State.RUNNING
 
     def _start_mpi_group(self, gp: GroupProcs, env: dict[str, str]) -> None:
         """The group's ranks under one mpirun, in a session of its own: a Ctrl-C reaches the
@@ -142,7 +142,7 @@ class Supervisor:
         )]
         log.close()
         gp.stop_signal = signal.SIGUSR1
-        gp.state = "running"
+        gp.state = State.RUNNING
 
     def _stop_group(self, gp: GroupProcs) -> None:
         _terminate(gp.procs, stop_signal=gp.stop_signal)
@@ -166,9 +166,9 @@ class Supervisor:
         """One round of watching; returns True while anything still has to run."""
         now = time.monotonic()
         for gp in self.groups.values():
-            if gp.state == "pending" and now >= gp.next_start:
+            if gp.state == State.PENDING and now >= gp.next_start:
                 self._start_group(gp)
-            elif gp.state == "running":
+            elif gp.state == State.RUNNING:
                 codes = [p.poll() for p in gp.procs]
                 gp.exit_codes = codes
                 if all(c == 0 for c in codes):
@@ -176,17 +176,17 @@ class Supervisor:
                     requeue = self.run.requeue_mark(gp.group)
                     # A signal to the ranks themselves (Ctrl-C, a SIGTERM) stops them after a
                     # checkpoint, with exit 0 and the requeue mark: stopped, not finished.
-                    gp.state = "cancelled" if requeue.exists() else "finished"
+                    gp.state = State.CANCELLED if requeue.exists() else State.FINISHED
                     requeue.unlink(missing_ok=True)
                 elif any(c not in (None, 0) for c in codes):
                     self._stop_group(gp)
                     if gp.restarts >= self.job.run.max_restarts:
-                        gp.state = "failed"
+                        gp.state = State.FAILED
                     else:
                         gp.restarts += 1
-                        gp.state = "pending"
+                        gp.state = State.PENDING
                         gp.next_start = now + BACKOFF_S[min(gp.restarts - 1, len(BACKOFF_S) - 1)]
-        active = any(gp.state in ("pending", "running") for gp in self.groups.values())
+        active = any(gp.state in (State.PENDING, State.RUNNING) for gp in self.groups.values())
         for shard, applier in enumerate(self.appliers):
             if applier is not None and applier.poll() not in (None, 0) and active:
                 if self.applier_restarts[shard] < self.job.run.max_restarts * 3:
@@ -227,13 +227,13 @@ class Supervisor:
                 if on_tick:
                     on_tick()
                 time.sleep(interval)
-            if not self.stopping and all(gp.state == "finished" for gp in self.groups.values()):
+            if not self.stopping and all(gp.state == State.FINISHED for gp in self.groups.values()):
                 self._drain_applier(interval)
         finally:
             self.shutdown()
         if on_tick:
             on_tick()
-        return all(gp.state == "finished" for gp in self.groups.values())
+        return all(gp.state == State.FINISHED for gp in self.groups.values())
 
     def _drain_applier(self, interval: float) -> None:
         """Every group finished: the applier ends by itself once nothing is left to apply (see
@@ -245,13 +245,13 @@ class Supervisor:
             time.sleep(interval)
 
     def shutdown(self) -> None:
-        stopping = [gp for gp in self.groups.values() if gp.state in ("running", "pending")]
+        stopping = [gp for gp in self.groups.values() if gp.state in (State.RUNNING, State.PENDING)]
         # All groups at once: each checkpoints at its stop (hpcdl.worker), in parallel.
         _terminate([p for gp in stopping for p in gp.procs], grace=STOP_GRACE_S,
                    stop_signal={p.pid: gp.stop_signal for gp in stopping for p in gp.procs})
         for gp in stopping:
             self._stop_group(gp)
-            gp.state = "cancelled"
+            gp.state = State.CANCELLED
         # The appliers commit the update in progress, then exit on SIGTERM.
         _terminate(self._running_appliers(), grace=30.0)
         self.publish()
@@ -398,8 +398,8 @@ class LocalScheduler(Scheduler):
         state["note"] = ""
         if not _pid_alive(state.get("supervisor_pid")):
             for info in state["groups"].values():
-                if info["state"] in ("running", "pending"):
-                    info["state"] = "lost"  # the supervisor died without finishing its groups
+                if info["state"] in (State.RUNNING, State.PENDING):
+                    info["state"] = State.LOST  # the supervisor died without finishing its groups
                     state["note"] = "the supervisor is gone"
         applier = state.get("applier")
         if isinstance(applier, dict) and applier.get("running"):
@@ -421,7 +421,7 @@ class LocalScheduler(Scheduler):
             return False
         applier = state.get("applier") or {}
         return bool(applier.get("running")) or any(
-            g.get("state") in ("running", "pending") for g in state["groups"].values())
+            g.get("state") in (State.RUNNING, State.PENDING) for g in state["groups"].values())
 
     def cancel(self, run: RunDir) -> str:
         state = self.describe(run)

@@ -20,7 +20,8 @@ from typing import Any
 from hpcdl.config import Job, JobError
 from hpcdl.resources import shipped_dir
 from hpcdl.runs import (
-    PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, read_json_file, write_bytes_atomic, write_json_atomic,
+    PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, State, read_json_file,
+    write_bytes_atomic, write_json_atomic,
 )
 from hpcdl.schedulers.base import (
     DryRun, Scheduler, SchedulerError, SubmitRequest, check_controller, controller_facts,
@@ -32,12 +33,12 @@ APPLIER_SCRIPT = "applier.sbatch"
 
 # SLURM's many states, mapped once into the few a user needs; anything else is "unknown".
 STATES = {
-    "PENDING": "pending", "CONFIGURING": "pending", "REQUEUED": "requeued", "REQUEUE_HOLD": "requeued",
-    "REQUEUE_FED": "requeued", "RESIZING": "running", "RUNNING": "running", "COMPLETING": "running",
-    "SIGNALING": "running", "STAGE_OUT": "running", "SUSPENDED": "suspended", "STOPPED": "suspended",
-    "PREEMPTED": "preempted", "COMPLETED": "completed", "CANCELLED": "cancelled", "FAILED": "failed",
-    "BOOT_FAIL": "failed", "DEADLINE": "timeout", "NODE_FAIL": "failed", "OUT_OF_MEMORY": "failed",
-    "TIMEOUT": "timeout", "SPECIAL_EXIT": "failed", "REVOKED": "cancelled",
+    "PENDING": State.PENDING, "CONFIGURING": State.PENDING, "REQUEUED": State.REQUEUED, "REQUEUE_HOLD": State.REQUEUED,
+    "REQUEUE_FED": State.REQUEUED, "RESIZING": State.RUNNING, "RUNNING": State.RUNNING, "COMPLETING": State.RUNNING,
+    "SIGNALING": State.RUNNING, "STAGE_OUT": State.RUNNING, "SUSPENDED": State.SUSPENDED, "STOPPED": State.SUSPENDED,
+    "PREEMPTED": State.PREEMPTED, "COMPLETED": State.COMPLETED, "CANCELLED": State.CANCELLED, "FAILED": State.FAILED,
+    "BOOT_FAIL": State.FAILED, "DEADLINE": State.TIMEOUT, "NODE_FAIL": State.FAILED, "OUT_OF_MEMORY": State.FAILED,
+    "TIMEOUT": State.TIMEOUT, "SPECIAL_EXIT": State.FAILED, "REVOKED": State.CANCELLED,
 }
 
 _DIRECTIVE_VALUE = re.compile(r"^[A-Za-z0-9._:+@%/=,-]+$")
@@ -73,10 +74,10 @@ def check_signal_time(job: Job) -> None:
         )
 
 
-def map_state(raw: str) -> str:
+def map_state(raw: str) -> State:
     """`CANCELLED by 0` -> cancelled; unknown words -> unknown."""
     word = raw.split()[0].rstrip("+") if raw.strip() else ""
-    return STATES.get(word, "unknown")
+    return STATES.get(word, State.UNKNOWN)
 
 
 def job_name(job: Job) -> str:
@@ -299,7 +300,7 @@ def parse_squeue(text: str) -> dict[str, dict[str, str]]:
         job_id, state, nodes, elapsed = parts[:4]
         jobs[job_id] = {"state": map_state(state), "slurm_state": state, "nodes": nodes, "elapsed": elapsed}
         reason = parts[4].strip() if len(parts) == 5 else ""
-        if reason and reason != "None" and map_state(state) == "pending":
+        if reason and reason != "None" and map_state(state) == State.PENDING:
             jobs[job_id]["reason"] = reason
     return jobs
 
