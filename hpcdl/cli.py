@@ -9,10 +9,13 @@ import time
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 from rich.console import Console
 
 from hpcdl import __version__
 from hpcdl.config import BACKEND_CHOICES
+from hpcdl.perf.inputs import PLANNED_WORKLOADS
+from hpcdl.workloads import names as workload_names
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -295,7 +298,7 @@ def data():
 
 
 @data.command("generate")
-@click.argument("workload", type=click.Choice(["hep", "climate"]))
+@click.argument("workload", type=click.Choice(workload_names()))
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for train.h5, val.h5, test.h5 (80/10/10 %).")
 @click.option("--events", type=click.IntRange(min=10), help="hep: events in total.")
 @click.option("--image-size", default=64, show_default=True, type=click.IntRange(min=8, max=512), help="hep: calorimeter image side (the paper: 64 or 224).")
@@ -305,30 +308,25 @@ def data():
 @click.option("--labelled-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0), help="climate: share of training images that keep their boxes (val and test are fully labelled).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
-def data_generate(workload, out_dir, events, image_size, images, height, width, labelled_fraction, seed, as_json):
+@click.pass_context
+def data_generate(ctx, workload, out_dir, seed, as_json, **given):
     """Write a physics-motivated synthetic data set in the published HDF5 layout: the NERSC
     RPV-SUSY layout for hep, the ExtremeWeather layout for climate."""
     from hpcdl.display import counting_progress
+    from hpcdl.workloads import get_workload
 
-    if workload == "hep":
-        from hpcdl.workloads.hep.generate import generate
-
-        if events is None:
-            raise click.UsageError("hep needs --events")
-        total, what = events, "events"
-        run = lambda progress: generate(out_dir, events, image_size=image_size, seed=seed, progress=progress)  # noqa: E731
-    else:
-        from hpcdl.workloads.climate.generate import generate
-
-        if images is None:
-            raise click.UsageError("climate needs --images")
-        total, what = images, "images"
-        run = lambda progress: generate(out_dir, images, height=height, width=width,  # noqa: E731
-                                        labelled_fraction=labelled_fraction, seed=seed, progress=progress)
-    progress, task = counting_progress(err, f"generating {what}", total)
+    w = get_workload(workload)
+    count = given.pop(w.generate_count)
+    if count is None:
+        raise click.UsageError(f"{workload} needs --{w.generate_count}")
+    for name in given:
+        if name not in w.generate_options and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"--{name.replace('_', '-')} is not an option of {workload}")
+    options = {k: v for k, v in given.items() if k in w.generate_options}
+    progress, task = counting_progress(err, f"generating {w.generate_count}", count)
     with progress:
         try:
-            files = run(lambda n: progress.advance(task, n))
+            files = w.generate(out_dir, count, seed=seed, progress=lambda n: progress.advance(task, n), **options)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from None
     if as_json:
@@ -340,7 +338,7 @@ def data_generate(workload, out_dir, events, image_size, images, height, width, 
 
 # -- plan -----------------------------------------------------------------------------------------
 @main.command()
-@click.argument("workload", type=click.Choice(["hep"]))
+@click.argument("workload", type=click.Choice(PLANNED_WORKLOADS))
 @click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
 @click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")

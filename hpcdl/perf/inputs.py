@@ -19,6 +19,8 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from hpcdl.config import DELTA_DTYPES, EXCHANGE_KINDS
 from hpcdl.perf.model import hep_network
 
+PLANNED_WORKLOADS = ("hep",)  # the planner models the HEP network (hep_network)
+
 
 class InputField(NamedTuple):
     name: str

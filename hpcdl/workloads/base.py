@@ -34,6 +34,14 @@ class Workload(ABC):
     ModelConfig: type
     # Compute dtypes build_model accepts (Keras policy compute_dtype; the variables stay float32).
     compute_dtypes: tuple[str, ...] = ("float32",)
+    # `hpcdl data generate`: what the generator counts (its CLI option, e.g. --events) and the
+    # other CLI options it takes (their option names with underscores).
+    generate_count: str
+    generate_options: tuple[str, ...] = ()
+
+    @abstractmethod
+    def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
+        """Write a synthetic data set (train, val, test) in the workload's published layout."""
 
     @abstractmethod
     def check_data(self, job) -> None:
