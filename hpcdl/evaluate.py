@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpcdl.runs import RunDir, find_run, read_json_file
+from hpcdl.runs import MANIFEST, RunDir, find_run, read_json_file
 
 
 class EvaluateError(ValueError):
@@ -26,7 +26,7 @@ def locate(ref: str | None, runs_dir: str | Path = "runs") -> Path:
     if path.exists() or Path(f"{path}.index").is_file():
         return path
     candidate = Path(runs_dir) / ref
-    if (candidate / "job.toml").is_file():
+    if RunDir.holds_run(candidate):
         return candidate
     raise EvaluateError(
         f"{ref} is neither a path nor a run id under {runs_dir}/ (expected a run directory or id, "
@@ -36,19 +36,19 @@ def locate(ref: str | None, runs_dir: str | Path = "runs") -> Path:
 
 def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
     """(checkpoint directory or prefix, the run it belongs to if `path` is a run)."""
-    if (path / "job.toml").is_file() and (path / "run.json").is_file():
+    if RunDir.holds_run(path):
         run = RunDir(path)
         run.info(), run.load_job()  # a torn run.json or job.toml: one line naming it, up front
         ckpt = run.checkpoint_dir(0)
-        if not (ckpt / "manifest.json").is_file():
+        if not (ckpt / MANIFEST).is_file():
             raise EvaluateError(f"run {path} has no checkpoint yet")
-        _check_manifest(ckpt / "manifest.json")
+        _check_manifest(ckpt / MANIFEST)
         return ckpt, run
-    if path.is_dir() and (path / "manifest.json").is_file():
-        _check_manifest(path / "manifest.json")
+    if path.is_dir() and (path / MANIFEST).is_file():
+        _check_manifest(path / MANIFEST)
         return path, None
-    if Path(str(path) + ".index").is_file() and (path.parent / "manifest.json").is_file():
-        _check_manifest(path.parent / "manifest.json")
+    if Path(str(path) + ".index").is_file() and (path.parent / MANIFEST).is_file():
+        _check_manifest(path.parent / MANIFEST)
         return path, None
     raise EvaluateError(
         f"{path} is not a checkpoint (expected a run directory, a checkpoint directory with "
@@ -87,7 +87,7 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
         data = Path(manifest["job"]["data"]["test"])
     if not data.is_file():
         raise EvaluateError(f"data file not found: {data}")
-    out_dir = out_dir or (run.root / "eval" if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
+    out_dir = out_dir or (run.eval_dir if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
     out_dir.mkdir(parents=True, exist_ok=True)
     result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
     return {"model": source, "data": str(data), **result}

@@ -49,6 +49,7 @@ import tomllib
 
 
 # The names of the marks in a group's directory; the sbatch template gets them as placeholders.
+MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.engine.train)
 STOP_MARK_NAME = "stop"
 REQUEUE_MARK_NAME = "requeue"
 PLANNED_REQUEUES_NAME = "planned-requeues"  # SLURM: the requeues a group asked for itself
@@ -94,9 +95,19 @@ class RunDir:
     def run_id(self) -> str:
         return self.root.name
 
+    @staticmethod
+    def holds_run(path: Path) -> bool:
+        """Whether `path` is a run directory (its job and its info exist)."""
+        return (path / "job.toml").is_file() and (path / "run.json").is_file()
+
     @property
     def job_file(self) -> Path:
         return self.root / "job.toml"
+
+    @property
+    def eval_dir(self) -> Path:
+        """Where `hpcdl evaluate` of the run writes its plots."""
+        return self.root / "eval"
 
     @property
     def info_file(self) -> Path:

@@ -21,6 +21,7 @@ import json
 import time
 from typing import Any
 
+from hpcdl.exchange.channel import applier_status_file
 from hpcdl.runs import ENDED, FAILED, RunDir, State, read_jsonl
 from hpcdl.storage import REPORT_FILE, low_space, read_report
 
@@ -176,7 +177,7 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
 
 def _appliers_summary(run: RunDir, job, backend: dict[str, Any] | None) -> dict[str, Any]:
     """One applier's summary; with several shards, their totals and one row per shard."""
-    rows = [_applier_summary(_read_json(d / "applier" / "status.json") or {}) for d in run.shard_dirs(job)]
+    rows = [_applier_summary(_read_json(applier_status_file(d)) or {}) for d in run.shard_dirs(job)]
     if len(rows) == 1:
         return {**rows[0], "backend": backend}
     on_backend = (backend or {}).get("shards") or []

@@ -27,11 +27,10 @@ import tensorflow as tf
 from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
-from hpcdl.runs import State, append_jsonl, write_json_atomic
+from hpcdl.runs import MANIFEST, State, append_jsonl, write_json_atomic
 from hpcdl.storage import StorageReport, attempt, save_checkpoint
 from hpcdl.engine.tuning import precision_policy
 
-MANIFEST = "manifest.json"
 
 
 @dataclass(frozen=True)

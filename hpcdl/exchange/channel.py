@@ -84,6 +84,11 @@ def _check_nonneg(**kw: int) -> None:
 DURABLE_KINDS = frozenset({"weights", "init", "state"})
 
 
+
+def applier_status_file(root: Path) -> Path:
+    """The applier's status.json under an exchange directory (read by `hpcdl status`)."""
+    return Path(root) / "applier" / "status.json"
+
 class Channel:
     """One run's exchange directory: layout, publishing and reading (see the module docstring).
 
@@ -124,7 +129,7 @@ class Channel:
         self.applier_dir = self.root / "applier"
         self.rejected_dir = self.applier_dir / "rejected"
         self.state_path = self.applier_dir / "state.hx"
-        self.status_path = self.applier_dir / "status.json"
+        self.status_path = applier_status_file(self.root)
         self.events_path = self.applier_dir / "events.jsonl"
         self.lock_path = self.applier_dir / "lock"
         dirs = (self.updates_dir, self.weights_dir, self.init_dir, self.applier_dir,
