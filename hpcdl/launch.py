@@ -5,16 +5,25 @@ collective. With `run.controller = "gloo"` a world is a Gloo ring with its own H
 with `"mpi"` it is one MPI job (srun --mpi=<slurm.mpi>, or a local mpirun per group) and Horovod
 reads rank and size from MPI itself. Mapping a launcher's variables to Horovod's is parsing, kept
 pure: `RankEnv.from_slurm(environ)`, `from_mpi`, `to_horovod_env(...)` and `to_mpi_env()` return
-values and write nothing; `start_rendezvous` (a listening thread in the caller) and the probes of
-this machine (`find_mpi_launcher`, `horovod_has_mpi`) are the only side effects.
+values and write nothing; `start_rendezvous` (a listening thread in the caller), `follow_supervisor`
+(in a child of the local backend) and the probes of this machine (`find_mpi_launcher`,
+`horovod_has_mpi`) are the only side effects.
 """
 
 from __future__ import annotations
 
+import ctypes
+import os
 import shutil
+import signal
 import subprocess
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
+
+SUPERVISOR_PID_ENV = "HPCDL_SUPERVISOR_PID"  # set by the local backend in its children's environment
+PR_SET_PDEATHSIG = 1
 
 
 class LaunchError(RuntimeError):
@@ -302,6 +311,42 @@ def horovod_has_mpi() -> bool:
         import horovod.tensorflow as hvd
 
         return bool(hvd.mpi_built())
+
+
+def follow_supervisor(environ: Mapping[str, str], poll_s: float = 2.0) -> None:
+    """A process of the local backend stops (SIGTERM to itself: the clean stop of a cancel) once
+    its supervisor is gone, so no orphan keeps a core busy after a kill -9 of the supervisor.
+
+    Done in the child itself, not in a ``preexec_fn`` (unsafe while the supervisor's rendezvous
+    threads run): a direct child asks the kernel (PR_SET_PDEATHSIG); a rank under mpirun, whose
+    parent is mpirun, watches the supervisor's pid.
+    """
+    supervisor = int(environ.get(SUPERVISOR_PID_ENV) or 0)
+    if supervisor <= 0:
+        return
+    if os.getppid() == supervisor:
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except OSError:  # not glibc: watch instead
+            pass
+        else:
+            if os.getppid() != supervisor:  # it died before the kernel was asked
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            try:
+                os.kill(supervisor, 0)
+            except ProcessLookupError:
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            except PermissionError:  # alive, someone else's: cannot be ours any more
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    threading.Thread(target=watch, name="follow-supervisor", daemon=True).start()
 
 
 def worker_environ(base: Mapping[str, str], extra: Mapping[str, str]) -> dict[str, str]:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, slurm_group_plan, start_rendezvous
+from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, follow_supervisor, slurm_group_plan, start_rendezvous
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 
@@ -183,6 +183,7 @@ def _main(argv: list[str] | None) -> int:
     stop = {"requested": False, "signal": None}
     for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda signum, _: stop.update(requested=True, signal=signum))
+    follow_supervisor(os.environ)
     run = RunDir(args.run_dir)
     job = run.load_job()
     os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)

@@ -1,9 +1,15 @@
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 from hpcdl.launch import (
-    LaunchError, MpiLauncher, RankEnv, expand_nodelist, find_mpi_launcher, is_open_mpi, open_mpi_root_allowed,
-    slurm_group_plan,
+    SUPERVISOR_PID_ENV, LaunchError, MpiLauncher, RankEnv, expand_nodelist, find_mpi_launcher, is_open_mpi,
+    open_mpi_root_allowed, slurm_group_plan,
 )
+from tests.conftest import wait_for
 
 
 def slurm_env(**extra):
@@ -105,3 +111,37 @@ def test_mpi_launcher_commands():
 def test_open_mpi_root_needs_both_variables():
     assert not open_mpi_root_allowed({"OMPI_ALLOW_RUN_AS_ROOT": "1"})
     assert open_mpi_root_allowed({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+
+
+FOLLOWER = textwrap.dedent("""
+    import os, signal, sys, time
+    from hpcdl.launch import follow_supervisor
+    signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], "w").write("stopped"), sys.exit(0)))
+    follow_supervisor(os.environ, poll_s=0.1)
+    open(sys.argv[1] + ".ready", "w").close()
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["child", "grandchild"])
+def test_a_local_backends_process_stops_when_its_supervisor_is_killed(tmp_path, direct):
+    """A kill -9 of the supervisor: its child (through the kernel) and a rank under mpirun (by
+    watching) get the clean stop's SIGTERM."""
+    mark = tmp_path / "mark"
+    # the "supervisor" starts the follower directly, or through an intermediate process (mpirun)
+    spawn = (f"subprocess.Popen([sys.executable, '-c', {FOLLOWER!r}, {str(mark)!r}], env=env)" if direct else
+             f"subprocess.Popen([sys.executable, '-c', 'import subprocess, sys, os; "
+             f"subprocess.Popen([sys.executable, \"-c\", sys.argv[1], sys.argv[2]]).wait()', {FOLLOWER!r}, {str(mark)!r}], env=env)")
+    supervisor = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        env = dict(os.environ, {SUPERVISOR_PID_ENV}=str(os.getpid()))
+        {spawn}
+        time.sleep(60)
+    """)])
+    try:
+        wait_for(lambda: Path(f"{mark}.ready").exists(), timeout=60, what="the follower started")
+        supervisor.kill()
+        supervisor.wait(timeout=10)
+        wait_for(lambda: mark.exists() and mark.read_text() == "stopped", timeout=30, what="the follower stopped")
+    finally:
+        supervisor.kill()

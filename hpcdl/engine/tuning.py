@@ -239,9 +239,8 @@ class ThreadPlan:
     def why(self, key: str) -> str:
         return dict(self.reasons).get(key, "")
 
-    def environment(self, tuning: TuningConfig | None = None) -> dict[str, str]:
-        """Variables to put in os.environ before TensorFlow loads. (`tuning` is not needed any
-        more: the plan carries every value; accepted for old callers.)"""
+    def environment(self) -> dict[str, str]:
+        """Variables to put in os.environ before TensorFlow loads."""
         return {
             # Read by OpenMP runtimes and by OpenBLAS (numpy); TensorFlow's wheels load none.
             "OMP_NUM_THREADS": str(self.intra_op),

@@ -12,7 +12,6 @@ weights. The supervisor publishes its view to `scheduler/local.json`, so `hpcdl 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,7 +23,8 @@ from typing import Any, Callable
 
 from hpcdl.config import Job, JobError
 from hpcdl.launch import (
-    MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous, worker_environ,
+    SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
+    worker_environ,
 )
 from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
@@ -37,24 +37,6 @@ LOCAL_RANKS_PER_CORE = 5
 LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
 STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
-
-
-try:  # loaded here, not in the forked child: a dlopen after fork may deadlock on the loader lock
-    _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-except OSError:
-    _LIBC = None
-
-
-def _die_with(parent: int):
-    """Linux: a child gets SIGTERM if its supervisor dies, so no orphan keeps a core busy."""
-
-    def in_child() -> None:
-        if _LIBC is not None:
-            _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the supervisor died between fork and prctl
-            os._exit(1)
-
-    return in_child
 
 
 def _open_log(path: Path):
@@ -112,6 +94,10 @@ class Supervisor:
         self.storage = StorageReport(run.supervisor_storage_file, run.access(self.job))
 
     # -- processes -------------------------------------------------------------------------
+    def _child_environ(self, extra: dict[str, str]) -> dict[str, str]:
+        """Every child ends with this supervisor (hpcdl.launch.follow_supervisor)."""
+        return worker_environ(os.environ, {**extra, SUPERVISOR_PID_ENV: str(os.getpid())})
+
     def _start_group(self, gp: GroupProcs) -> None:
         ranks = self.job.run.ranks_per_group
         envs = local_group(gp.group, ranks)
@@ -122,10 +108,10 @@ class Supervisor:
         gp.procs = []
         for env in envs:
             log = _open_log(self.run.rank_log(gp.group, env.rank))
-            child_env = worker_environ(os.environ, env.to_horovod_env("127.0.0.1", port, iface="lo"))
+            child_env = self._child_environ(env.to_horovod_env("127.0.0.1", port, iface="lo"))
             gp.procs.append(subprocess.Popen(
                 worker_command(self.python, self.run), env=child_env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             ))
             log.close()
         gp.state = State.RUNNING
@@ -137,8 +123,8 @@ class Supervisor:
         log = _open_log(self.run.mpi_launcher_log(gp.group))
         gp.procs = [subprocess.Popen(
             mpi_group_command(self.launcher, self.python, self.run, self.job.run.ranks_per_group),
-            env=worker_environ(os.environ, env), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with(os.getpid()),
+            env=self._child_environ(env), stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )]
         log.close()
         gp.stop_signal = signal.SIGUSR1
@@ -153,8 +139,8 @@ class Supervisor:
     def _start_applier(self, shard: int) -> None:
         log = _open_log(self.run.shard_applier_log(shard))
         self.appliers[shard] = subprocess.Popen(
-            applier_command(self.python, self.run, shard), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, preexec_fn=_die_with(os.getpid()),
+            applier_command(self.python, self.run, shard), env=self._child_environ({}), stdout=log,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()
 
@@ -189,7 +175,7 @@ class Supervisor:
         active = any(gp.state in (State.PENDING, State.RUNNING) for gp in self.groups.values())
         for shard, applier in enumerate(self.appliers):
             if applier is not None and applier.poll() not in (None, 0) and active:
-                if self.applier_restarts[shard] < self.job.run.max_restarts * 3:
+                if self.applier_restarts[shard] < self.job.run.max_restarts:  # as under SLURM
                     self.applier_restarts[shard] += 1
                     self._start_applier(shard)
         self.publish()

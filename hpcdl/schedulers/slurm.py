@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.config import Job, JobError
+from hpcdl.engine.tuning import plan_threads
 from hpcdl.resources import shipped_dir
 from hpcdl.runs import (
     PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, State, read_json_file,
@@ -202,9 +203,10 @@ def render_group_script(request: SubmitRequest) -> str:
     threads = s.cpus_per_task or 0
     tuning = []
     if threads:
-        # OpenMP/oneDNN read these at load; the worker refines TensorFlow's pools from them.
-        tuning = [f"export OMP_NUM_THREADS={threads}", f"export KMP_BLOCKTIME={job.tuning.kmp_blocktime}",
-                  f"export KMP_AFFINITY={shlex.quote(job.tuning.kmp_affinity)}"]
+        # OpenMP runtimes read these at load, before any worker runs; the worker's own plan
+        # (from the same rule) then sets TensorFlow's pools.
+        env = plan_threads(job.tuning, threads, "slurm.cpus_per_task").environment()
+        tuning = [f"export {k}={shlex.quote(env[k])}" for k in ("OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY")]
     directives = sbatch_directives(job, job_name(job), s.partition, job.run.nodes_per_group,
                                    job.run.ranks_per_node, s.cpus_per_task)
     directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
