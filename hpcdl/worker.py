@@ -141,10 +141,10 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     return EXIT_REQUEUE if requeue["asked"] else 0
 
 
-def log_to(path: Path) -> None:
+def log_to(path: Path, access) -> None:
     """A rank under a local mpirun writes its own log, as the local backend's Gloo ranks do
     (mpirun would interleave every rank's output in one stream)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = access.open_append(path)
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(fd, 1)
@@ -196,7 +196,7 @@ def _main(argv: list[str] | None) -> int:
     return serve_rank(run, job, args, stop)
 
 
-def _place(args: argparse.Namespace, run: RunDir, mpi: bool) -> tuple[RankEnv, dict]:
+def _place(args: argparse.Namespace, run: RunDir, job, mpi: bool) -> tuple[RankEnv, dict]:
     """Where this rank sits, with Horovod's (or MPI's) variables set for it, and the fields it adds
     to every metrics line."""
     if args.slurm:
@@ -210,7 +210,7 @@ def _place(args: argparse.Namespace, run: RunDir, mpi: bool) -> tuple[RankEnv, d
                           "restart_count": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)}
     if args.mpi:
         rank_env = RankEnv.from_mpi(os.environ, socket.gethostname())
-        log_to(run.rank_log(rank_env.group, rank_env.rank))
+        log_to(run.rank_log(rank_env.group, rank_env.rank), run.access(job))
         os.environ.update(rank_env.to_mpi_env())
         return rank_env, {}
     return RankEnv.from_horovod(os.environ), {}
@@ -219,7 +219,7 @@ def _place(args: argparse.Namespace, run: RunDir, mpi: bool) -> tuple[RankEnv, d
 def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     """One rank of a group: tune the CPU before TensorFlow loads, join the group, train."""
     mpi = job.run.controller == "mpi"
-    rank_env, report = _place(args, run, mpi)
+    rank_env, report = _place(args, run, job, mpi)
     # The local backend runs every rank of every group on this host (under mpirun too); under
     # SLURM a node holds its group's ranks_per_node.
     on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node

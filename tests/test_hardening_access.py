@@ -101,6 +101,9 @@ def test_group_only_run_under_umask_077(tmp_path):
         append_jsonl(final.root / "groups/0/metrics.jsonl", {"step": 1})
         ch = run_channel(final, job)
         ch.publish_update(0, 0, -1, W)
+        from hpcdl.schedulers.local import _open_log  # the local backend's rank and applier logs
+
+        _open_log(final.rank_log(0, 0), final.access(job)).close()
     finally:
         os.umask(old)
     gid = os.getegid()

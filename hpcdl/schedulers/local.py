@@ -26,6 +26,7 @@ from hpcdl.launch import (
     SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
     worker_environ,
 )
+from hpcdl.runkey import Access
 from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt
@@ -39,9 +40,10 @@ STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and chec
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
 
 
-def _open_log(path: Path):
-    """Logs are the owner's alone, like everything else in a run directory, whatever the umask."""
-    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab")
+def _open_log(path: Path, access: Access):
+    """Logs have the run's access mode, like everything else in a run directory (owner-only, or
+    group-only with run.unix_group), whatever the umask."""
+    return os.fdopen(access.open_append(path), "ab")
 
 
 def worker_command(python: str, run: RunDir) -> list[str]:
@@ -91,7 +93,8 @@ class Supervisor:
                 raise RunError('run.controller = "mpi": no mpirun or mpiexec on PATH')
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
-        self.storage = StorageReport(run.supervisor_storage_file, run.access(self.job))
+        self.access = run.access(self.job)
+        self.storage = StorageReport(run.supervisor_storage_file, self.access)
 
     # -- processes -------------------------------------------------------------------------
     def _child_environ(self, extra: dict[str, str]) -> dict[str, str]:
@@ -107,7 +110,7 @@ class Supervisor:
         gp.rendezvous, port = start_rendezvous(envs)
         gp.procs = []
         for env in envs:
-            log = _open_log(self.run.rank_log(gp.group, env.rank))
+            log = _open_log(self.run.rank_log(gp.group, env.rank), self.access)
             child_env = self._child_environ(env.to_horovod_env("127.0.0.1", port, iface="lo"))
             gp.procs.append(subprocess.Popen(
                 worker_command(self.python, self.run), env=child_env, stdout=log,
@@ -120,7 +123,7 @@ class Supervisor:
         """The group's ranks under one mpirun, in a session of its own: a Ctrl-C reaches the
         supervisor, which asks mpirun to pass SIGUSR1 on (mpirun's own SIGINT handling kills
         the ranks before they can checkpoint). Each rank writes its own log (hpcdl.worker)."""
-        log = _open_log(self.run.mpi_launcher_log(gp.group))
+        log = _open_log(self.run.mpi_launcher_log(gp.group), self.access)
         gp.procs = [subprocess.Popen(
             mpi_group_command(self.launcher, self.python, self.run, self.job.run.ranks_per_group),
             env=self._child_environ(env), stdout=log, stderr=subprocess.STDOUT,
@@ -137,7 +140,7 @@ class Supervisor:
             gp.rendezvous = None
 
     def _start_applier(self, shard: int) -> None:
-        log = _open_log(self.run.shard_applier_log(shard))
+        log = _open_log(self.run.shard_applier_log(shard), self.access)
         self.appliers[shard] = subprocess.Popen(
             applier_command(self.python, self.run, shard), env=self._child_environ({}), stdout=log,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -366,7 +369,7 @@ class LocalScheduler(Scheduler):
             finally:
                 signal.signal(signal.SIGTERM, previous)
             return {"supervisor_pid": os.getpid(), "ok": ok}
-        log = _open_log(run.supervisor_log)
+        log = _open_log(run.supervisor_log, run.access(dryrun.request.job))
         proc = subprocess.Popen(
             [dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
