@@ -382,7 +382,8 @@ class SlurmScheduler(Scheduler):
     def schedule(self, dryrun: DryRun, **_: Any) -> dict[str, Any]:
         submitted: dict[str, str] = {}
         try:
-            for role, cmd in sbatch_commands(dryrun.request).items():
+            for cmd in dryrun.commands:  # exactly what the dry run showed: the applier first
+                role = "applier" if cmd[-1].endswith(APPLIER_SCRIPT) else "array"
                 proc = _run(cmd)
                 if proc.returncode != 0:
                     raise SchedulerError(f"sbatch for the {role} failed: {proc.stderr.strip() or proc.stdout.strip()}")
