@@ -5,7 +5,7 @@ must be applied to `os.environ` before `import tensorflow`; the intra/inter-op p
 after (`configure_tensorflow`). Every decision carries its reason, shown by `hpcdl doctor` and
 written to each rank's log; every one can be overridden in the job's `[tuning]` section.
 
-The rules (all pure functions below, tested in tests/test_tuning.py):
+The rules (all pure functions below, tested in tests/engine/test_tuning.py):
 
 * cores a rank owns: under `srun` with `--cpus-per-task`, SLURM_CPUS_PER_TASK (capped by the
   CPUs the process may run on); otherwise the usable CPUs (affinity mask, capped by a cgroup CPU
