@@ -1,23 +1,7 @@
 """Streaming reader for HEP calorimeter-image files (HDF5), for training and evaluation.
 
-Two on-disk layouts are recognised (:func:`open_hep` detects which one a file has):
-
-``nersc``
-    The published NERSC RPV-SUSY layout (and the one :mod:`hpcdl.workloads.hep.generate` writes):
-    a group ``all_events`` holding ``hist``, ``histEM``, ``histtrack`` (each ``(N, H, W)``: total
-    calorimeter energy, EM energy, track multiplicity on an η×φ grid), ``y`` (``(N,)``, 1 signal,
-    0 background; required), ``weight`` (``(N,)`` cross-section event weight; optional, default 1)
-    and ``passSR`` (``(N,)`` the cut-based signal-region flag; optional).
-
-``benchmark``
-    The hep_cnn_benchmark layout: top-level ``data`` ``(N, 3, H, W)`` (channels first), ``label``
-    ``(N,)`` integers or ``(N, 2)`` one-hot (column 1 = signal), and optionally ``weight``
-    ``(N,)``, ``normweight`` ``(N,)`` (validated but not used) and ``psr`` ``(N,)`` (the
-    signal-region flag).
-
-Whatever the layout, images come out NHWC float32 with channels (hist, histEM, histtrack) (the
-benchmark layout's axis 1, in order), labels int32, weights float32, the selection flag bool (or
-``None`` when the file has none) and the global event index int64.
+The files' layouts, and how a file is checked before anything is read, are
+:mod:`hpcdl.workloads.hep.layout`.
 
 Memory stays bounded: everything here reads with h5py slices of at most ``chunk_events`` events;
 no function ever loads a whole dataset. :func:`iter_batches` reads only the caller's shard
@@ -38,16 +22,17 @@ import functools
 import math
 import queue
 import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple, Optional, Tuple
 
 import h5py
 import numpy as np
 
 from hpcdl.workloads import common
+from hpcdl.workloads.hep.layout import (
+    CHANNELS, DEFAULT_CHUNK, LAYOUT_BENCHMARK, LAYOUT_NERSC, NERSC_GROUP, DataError, HepFile, as_hep, h5_errors,
+    open_hep,
+)
 
 __all__ = [
     "LAYOUT_BENCHMARK",
@@ -65,167 +50,6 @@ __all__ = [
     "open_hep",
     "shard_range",
 ]
-
-LAYOUT_NERSC = "nersc"
-LAYOUT_BENCHMARK = "benchmark"
-
-#: Channel order of the NHWC images returned by this module.
-CHANNELS = ("hist", "histEM", "histtrack")
-
-_NERSC_GROUP = "all_events"
-DEFAULT_CHUNK = 4096
-
-
-class DataError(common.DataFileError):
-    """A HEP data file is missing, unreadable or does not have a layout this module understands."""
-
-
-_fail = DataError.at
-_dataset = partial(common.h5_dataset, DataError)
-
-
-# --------------------------------------------------------------------------------------------------
-# layout detection and validation
-
-
-@dataclass(frozen=True)
-class HepFile:
-    """A validated HEP data file: its layout and shape, with no data read yet.
-
-    Use :meth:`open` (a context manager) to read event ranges.
-    """
-
-    path: Path
-    layout: str
-    n_events: int
-    image_shape: Tuple[int, int, int]  # (H, W, 3)
-    has_weight: bool
-    has_pass_sr: bool
-
-    def open(self) -> "HepReader":
-        """An open reader on this file (close it, or use it in a ``with`` block)."""
-        return HepReader(self)
-
-    def read(self, start: int, stop: int) -> "Batch":
-        """Events ``[start, stop)`` (opens and closes the file; for repeated reads use :meth:`open`)."""
-        with self.open() as reader:
-            return reader.read(start, stop)
-
-
-def _check_per_event(path: Path, ds: Optional[h5py.Dataset], name: str, n: int) -> None:
-    if ds is None:
-        return
-    if ds.shape != (n,):
-        raise _fail(path, f"{name} has shape {ds.shape}, expected ({n},) (one value per event)")
-
-
-def open_hep(path) -> HepFile:
-    """Detect and validate the layout of the HEP file at ``path``.
-
-    Raises :class:`DataError` (a :class:`ValueError`) naming the file and the problem when the file
-    is missing, is not HDF5, lacks a required dataset, has datasets of the wrong rank or with
-    disagreeing event counts or image sizes, or holds no events. Reads shapes only, no data.
-    """
-    path = Path(path)
-    with common.open_h5(DataError, path) as f, _h5_errors(path):
-        if _NERSC_GROUP in f:
-            return _validate_nersc(path, f)
-        if "data" in f:
-            return _validate_benchmark(path, f)
-        present = ", ".join(sorted(str(k) for k in f.keys())) or "nothing"
-        raise _fail(
-            path,
-            f"unrecognised layout: expected a group '{_NERSC_GROUP}' (NERSC RPV-SUSY layout) or a "
-            f"dataset 'data' (hep_cnn_benchmark layout); found: {present}",
-        )
-
-
-# Bounds on what a file may declare, checked before anything is read: a corrupted or hostile
-# header must not make the reader allocate terabytes (the real sets: ~10^7 events of 224×224).
-MAX_EVENTS = 1 << 32
-MAX_IMAGE_SIDE = 8192
-MAX_CHUNK_BYTES = 256 << 20  # one HDF5 chunk is inflated whole on every read that touches it
-
-
-@contextmanager
-def _h5_errors(path: Path) -> Iterator[None]:
-    """h5py reports a corrupted file with KeyError, RuntimeError, OSError or TypeError from deep
-    inside; the user gets one DataError naming the file instead."""
-    try:
-        yield
-    except DataError:
-        raise
-    except (KeyError, RuntimeError, OSError, TypeError, ValueError) as exc:
-        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
-        raise _fail(path, f"corrupted or unreadable HDF5 content ({detail})") from None
-
-
-def _check_bounds(path: Path, ds: h5py.Dataset, name: str, n: int, side: Tuple[int, ...] = ()) -> None:
-    if n > MAX_EVENTS:
-        raise _fail(path, f"{name} declares {n} events, more than the {MAX_EVENTS} hpcdl reads")
-    if any(s > MAX_IMAGE_SIDE for s in side):
-        raise _fail(path, f"{name} declares images of {side}, larger than {MAX_IMAGE_SIDE} a side")
-    if ds.chunks is not None:
-        chunk_bytes = int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize
-        if chunk_bytes > MAX_CHUNK_BYTES:
-            raise _fail(path, f"{name} has HDF5 chunks of {chunk_bytes} bytes, more than {MAX_CHUNK_BYTES}")
-
-
-def _validate_nersc(path: Path, f: h5py.File) -> HepFile:
-    g = f[_NERSC_GROUP]
-    if not isinstance(g, h5py.Group):
-        raise _fail(path, f"'{_NERSC_GROUP}' is a dataset, expected a group")
-    where = f"{_NERSC_GROUP}/"
-    images = [_dataset(path, g, key, where) for key in CHANNELS]
-    for ds, key in zip(images, CHANNELS):
-        if ds.ndim != 3:
-            raise _fail(path, f"{where}{key} has shape {ds.shape}, expected (N, H, W)")
-    shape0 = images[0].shape
-    for ds, key in zip(images[1:], CHANNELS[1:]):
-        if ds.shape != shape0:
-            raise _fail(
-                path, f"{where}{key} has shape {ds.shape} but {where}{CHANNELS[0]} has {shape0}"
-            )
-    n, h, w = shape0
-    if n == 0:
-        raise _fail(path, "holds zero events")
-    if h == 0 or w == 0:
-        raise _fail(path, f"images have an empty shape {h}×{w}")
-    for ds, key in zip(images, CHANNELS):
-        _check_bounds(path, ds, f"{where}{key}", n, (h, w))
-    y = _dataset(path, g, "y", where)
-    _check_per_event(path, y, f"{where}y", n)
-    weight = _dataset(path, g, "weight", where) if "weight" in g else None
-    _check_per_event(path, weight, f"{where}weight", n)
-    sr = _dataset(path, g, "passSR", where) if "passSR" in g else None
-    _check_per_event(path, sr, f"{where}passSR", n)
-    return HepFile(path, LAYOUT_NERSC, n, (h, w, 3), weight is not None, sr is not None)
-
-
-def _validate_benchmark(path: Path, f: h5py.File) -> HepFile:
-    data = _dataset(path, f, "data", "")
-    if data.ndim != 4 or data.shape[1] != 3:
-        raise _fail(path, f"data has shape {data.shape}, expected (N, 3, H, W)")
-    n, _, h, w = data.shape
-    if n == 0:
-        raise _fail(path, "holds zero events")
-    if h == 0 or w == 0:
-        raise _fail(path, f"images have an empty shape {h}×{w}")
-    _check_bounds(path, data, "data", n, (h, w))
-    label = _dataset(path, f, "label", "")
-    if label.shape not in ((n,), (n, 2)):
-        raise _fail(path, f"label has shape {label.shape}, expected ({n},) or ({n}, 2) one-hot")
-    weight = _dataset(path, f, "weight", "") if "weight" in f else None
-    _check_per_event(path, weight, "weight", n)
-    normweight = _dataset(path, f, "normweight", "") if "normweight" in f else None
-    _check_per_event(path, normweight, "normweight", n)
-    psr = _dataset(path, f, "psr", "") if "psr" in f else None
-    _check_per_event(path, psr, "psr", n)
-    return HepFile(path, LAYOUT_BENCHMARK, n, (h, w, 3), weight is not None, psr is not None)
-
-
-def _as_hep(path_or_file) -> HepFile:
-    return path_or_file if isinstance(path_or_file, HepFile) else open_hep(path_or_file)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -247,7 +71,7 @@ def _corruption_is_data_error(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with _h5_errors(self.hep.path):
+        with h5_errors(self.hep.path):
             return method(self, *args, **kwargs)
 
     return wrapper
@@ -258,10 +82,10 @@ class HepReader:
 
     def __init__(self, hep: HepFile):
         self.hep = hep
-        with _h5_errors(hep.path):
+        with h5_errors(hep.path):
             self._f = h5py.File(hep.path, "r")
             if hep.layout == LAYOUT_NERSC:
-                g = self._f[_NERSC_GROUP]
+                g = self._f[NERSC_GROUP]
                 self._images = [g[key] for key in CHANNELS]
                 self._y = g["y"]
                 self._w = g["weight"] if hep.has_weight else None
@@ -307,11 +131,11 @@ class HepReader:
         raw = self._y[start:stop]
         if raw.ndim == 2:  # one-hot (n, 2): the column index is the class
             if not np.all((raw == 0) | (raw == 1)) or np.any(raw.sum(axis=1) != 1):
-                raise _fail(self.hep.path, "label is (N, 2) but not one-hot")
+                raise DataError.at(self.hep.path, "label is (N, 2) but not one-hot")
             return np.argmax(raw, axis=1).astype(np.int32)
         if raw.size and not np.all((raw == 0) | (raw == 1)):
             bad = raw[(raw != 0) & (raw != 1)][0]
-            raise _fail(self.hep.path, f"labels must be 0 or 1, found {bad!r} in [{start}, {stop})")
+            raise DataError.at(self.hep.path, f"labels must be 0 or 1, found {bad!r} in [{start}, {stop})")
         return raw.astype(np.int32)
 
     @_corruption_is_data_error
@@ -398,7 +222,7 @@ def batches_per_epoch(
 def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Each channel's maximum over the whole file, as float64 ``(3,)``, streaming ``chunk`` events."""
     chunk = _check_chunk(chunk)
-    hep = _as_hep(path)
+    hep = as_hep(path)
     out = np.full(3, -np.inf)
     with hep.open() as reader:
         for lo, hi in _chunks(0, hep.n_events, chunk):
@@ -415,7 +239,7 @@ def class_weight_means(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     gets 1.0 (no event will use it). Reads labels and weights only, ``chunk`` events at a time.
     """
     chunk = _check_chunk(chunk)
-    hep = _as_hep(path)
+    hep = as_hep(path)
     sums = np.zeros(2)
     counts = np.zeros(2)
     with hep.open() as reader:
@@ -428,7 +252,7 @@ def class_weight_means(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     present = counts > 0
     means[present] = sums[present] / counts[present]
     if np.any(means[present] <= 0) or not np.all(np.isfinite(means)):
-        raise _fail(hep.path, f"class mean weights must be positive and finite, got {means.tolist()}")
+        raise DataError.at(hep.path, f"class mean weights must be positive and finite, got {means.tolist()}")
     return means
 
 
@@ -466,7 +290,7 @@ class Normalization:
     @classmethod
     def from_file(cls, path, chunk: int = DEFAULT_CHUNK) -> "Normalization":
         """Scales and class means of a (training) file."""
-        hep = _as_hep(path)
+        hep = as_hep(path)
         return cls(
             tuple(channel_max(hep, chunk).tolist()), tuple(class_weight_means(hep, chunk).tolist())
         )
@@ -731,7 +555,7 @@ def iter_batches(
     Close the returned iterator (or use it as a context manager) when stopping early; dropping it
     also stops the thread.
     """
-    hep = _as_hep(path)
+    hep = as_hep(path)
     batch_size = _check_chunk(batch_size, "batch_size")
     chunk_events = _check_chunk(chunk_events, "chunk_events")
     if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
