@@ -405,3 +405,22 @@ def test_read_status_tolerates_garbage(ch: Channel) -> None:
     assert ch.read_status() is None
     ch.status_path.write_text('{"last_seq": {"2": 41}}')
     assert ch.next_seq(2) == 42
+
+
+def test_the_backlog_bound_neither_deletes_nor_counts_updates_the_applier_processed(tmp_path):
+    """Files the applier applied but has not deleted yet (its status says so) are not pending:
+    the bound keeps them, and exchange_backlog_dropped counts only real drops."""
+    ch = Channel(tmp_path / "x", RUN, max_pending_per_group=2)
+    w = {"w": np.ones(3, np.float32)}
+    for seq in range(3):
+        ch.publish_update(0, seq, 0, w)
+    assert ch.dropped_backlog == 1 and sorted(r.seq for r in ch.pending_updates()) == [1, 2]
+    # the applier has processed seq 1 and 2 (its commit), and deletes their files only after it
+    ex.atomic_write_bytes(ch.status_path, json.dumps({"last_seq": {"0": 2}}).encode())
+    for seq in (3, 4):
+        ch.publish_update(0, seq, 0, w)
+    assert ch.dropped_backlog == 1, "processed files were counted as dropped"
+    assert sorted(r.seq for r in ch.pending_updates()) == [1, 2, 3, 4]
+    ch.publish_update(0, 5, 0, w)  # now three unprocessed: the oldest of them goes
+    assert ch.dropped_backlog == 2 and [r.seq for r in ch.last_dropped] == [3]
+    assert sorted(r.seq for r in ch.pending_updates()) == [1, 2, 4, 5]

@@ -251,3 +251,48 @@ def test_bare_cancel_after_evaluating_an_older_run_stops_the_live_run(slurm_clus
     assert status(old_dir, tmp_path)["state"] == "finished"
     said = hpcdl("cancel", "--runs-dir", str(tmp_path / "runs"), cwd=tmp_path).stdout
     assert "nothing to cancel" in said
+
+
+def test_a_cancelled_run_resumes_on_slurm_and_finishes_with_an_exact_ledger(slurm_cluster, hep_files, tmp_path):
+    """What a user reads at submit (no --json: the run and its SLURM job ids) and in status (the
+    applier's node); then cancel, resume in place, finish: no update applied twice or lost."""
+    from tests.test_hybrid import applied_exactly_once
+
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=300) + LOCAL_CLUSTER + [
+        "exchange.max_staleness=1000"]
+    said = hpcdl("submit", "hep", "--nodes", "4", "--group-size", "2", *set_args(overrides), cwd=tmp_path).stdout
+    run_dir = Path(said.split("run: ", 1)[1].split()[0])
+    ids = json.loads((run_dir / "scheduler" / "slurm.json").read_text())
+    assert f"group array {ids['slurm_array_job_id']}" in said and f"applier {ids['slurm_applier_job_id']}" in said
+    seen = wait_status(run_dir, tmp_path, lambda s: min(g["step"] for g in s["groups"]) >= 20
+                       and (s["applier"] or {}).get("applied"), what="training through the applier")
+    node = seen["applier"]["backend"].get("nodes")
+    assert node and node in hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+
+    assert "cancelled" in hpcdl("cancel", str(run_dir), cwd=tmp_path).stdout
+    wait_status(run_dir, tmp_path, lambda s: s["state"] != "running", what="the cancel to take effect")
+    deadline = time.monotonic() + 120
+    while not queue_empty([ids["slurm_array_job_id"], ids["slurm_applier_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    stopped_at = [g["step"] for g in status(run_dir, tmp_path)["groups"]]
+    assert min(stopped_at) < 300, stopped_at  # the cancel caught a group before the end
+
+    resumed_at = time.time()
+    resumed = json.loads(hpcdl("resume", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert resumed["run_dir"] == str(run_dir) and resumed["slurm_array_job_id"] != ids["slurm_array_job_id"]
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished", timeout=400, what="the resumed run")
+    assert [g["step"] for g in done["groups"]] == [300, 300]
+    first_logged = [min((m["step"] for m in _metrics(run_dir, g) if m["time"] > resumed_at), default=None)
+                    for g in (0, 1)]
+    # each unfinished group went on from its checkpoint, not from step 0
+    assert all(first is None or first > 5 for first in first_logged), first_logged
+    deadline = time.monotonic() + 120
+    while not queue_empty([resumed["slurm_applier_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    applied_exactly_once(run_dir)
+
+
+def _metrics(run_dir: Path, group: int) -> list[dict]:
+    from hpcdl.runs import read_jsonl
+
+    return read_jsonl(run_dir / "groups" / str(group) / "metrics.jsonl")
