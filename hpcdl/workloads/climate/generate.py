@@ -1,5 +1,9 @@
 """Physically plausible synthetic climate fields with extreme-weather events, in the ExtremeWeather layout.
 
+One module, read top to bottom, because it is one chain: background fields, storms placed and
+grown, their boxes, the written files; `generate`, `simulate_image`, `orography` and
+`GeneratorConfig` are its interface.
+
 The paper's climate workload (Kurth et al., SC17, after Racah et al., "ExtremeWeather: A large-scale
 climate dataset for semi-supervised detection, localization, and understanding of extreme weather
 events", NIPS 2017) finds and boxes extreme weather in snapshots of a CAM5 climate simulation: 16

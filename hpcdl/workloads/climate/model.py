@@ -130,7 +130,7 @@ def detection_loss(out: tf.Tensor, target: tf.Tensor, labelled: tf.Tensor,
                    coord_weight: float = 5.0, noobj_weight: float = 0.5) -> tf.Tensor:
     """YOLO-style loss (see the module docstring), averaged over the labelled images (0 if none).
 
-    out (B, gh, gw, 5 + C) raw; target (B, gh, gw, 6) from `data.encode_boxes`; labelled (B,) 1/0.
+    out (B, gh, gw, 5 + C) raw; target (B, gh, gw, 6) from `boxes.encode_boxes`; labelled (B,) 1/0.
     """
     obj = target[..., 0]
     noobj = 1.0 - obj

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 from hpcdl.config import JobError
 from hpcdl.workloads.base import Workload
 from hpcdl.workloads.climate import data as cdata
+from hpcdl.workloads.climate.boxes import decode_grid
 from hpcdl.workloads.climate.config import ClimateDataConfig, ClimateModelConfig
 
 PLOTS = 4
@@ -102,7 +103,7 @@ class ClimateWorkload(Workload):
         for idx, x, boxes in cdata.iter_eval(cf, st, EVAL_BATCH):
             out = predict(tf.constant(x)).numpy()
             for k, i in enumerate(idx):
-                cand = cdata.decode_grid(out[k], model.cell, cfg.score_threshold, (h, w))
+                cand = decode_grid(out[k], model.cell, cfg.score_threshold, (h, w))
                 dets.append(nms(cand, cfg.nms_iou, cfg.max_detections))
                 truths.append(boxes[k])
                 indices.append(int(i))

@@ -1,5 +1,9 @@
 """Physics-motivated synthetic RPV-SUSY vs QCD calorimeter images, in the NERSC RPV-SUSY layout.
 
+One module, read top to bottom, because it is one chain: hard process, showers, hadrons,
+pile-up, jets and the selection, the detector, the written files; `generate`, `simulate`,
+`selection`, `gluino_xsec_fb` and `GeneratorConfig` are its interface.
+
 The paper's HEP workload (Kurth et al., SC17, after Bhimji et al., "Deep neural networks for
 physics analysis on low-level whole-detector data at the LHC") classifies whole-detector
 calorimeter images: new-physics events with many jets against the overwhelming QCD multijet

@@ -17,12 +17,11 @@ from hpcdl.workloads.climate.data import (
     Preprocess,
     Stats,
     compute_stats,
-    decode_grid,
-    encode_boxes,
     iter_eval,
     iter_train_batches,
     open_climate,
 )
+from hpcdl.workloads.climate.boxes import decode_grid, encode_boxes
 from tests.workloads.climate import channel_values, write_ew
 
 BOXES = [

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 from hpcdl.config import JobError, load_job
 from hpcdl.workloads.climate.config import ClimateModelConfig
-from hpcdl.workloads.climate.data import encode_boxes
+from hpcdl.workloads.climate.boxes import encode_boxes
 from hpcdl.workloads.climate.model import ClimateNet, detection_loss
 
 SMALL = ClimateModelConfig(filters=(4, 8), kernel=3, grid_convs=1)
