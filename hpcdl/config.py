@@ -90,6 +90,7 @@ class RunConfig:
 # Adam's constants (Kingma & Ba's), one set for the engine's Adam inside a group and the
 # applier's: the same rule on both sides of the exchange.
 ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8
+TRAIN_OPTIMIZERS = ("adam", "sgd")  # the engine's (hpcdl.engine.optim)
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,7 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if self.validate_every < 0:
             raise JobError(f"train.validate_every must be >= 0 (0: no validation), got {self.validate_every}")
-        if self.optimizer not in ("adam", "sgd"):
-            raise JobError(f"train.optimizer must be 'adam' or 'sgd', got {self.optimizer!r}")
+        _choice("train.optimizer", self.optimizer, TRAIN_OPTIMIZERS)
         if not self.learning_rate > 0:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 

@@ -55,5 +55,8 @@ class SGD(tf.Module):
             var.assign_sub(self.learning_rate * g)
 
 
+OPTIMIZERS = {"adam": Adam, "sgd": SGD}  # one class per name in hpcdl.config.TRAIN_OPTIMIZERS
+
+
 def make_optimizer(name: str, variables: list[tf.Variable], learning_rate: float) -> tf.Module:
-    return {"adam": Adam, "sgd": SGD}[name](variables, learning_rate=learning_rate)
+    return OPTIMIZERS[name](variables, learning_rate=learning_rate)

@@ -68,3 +68,10 @@ def test_adam_slots_and_step_survive_a_checkpoint(tmp_path):
     for g in GRADS[3:]:
         opt2.apply([tf.constant(g.astype(np.float32))], [var2])
     np.testing.assert_allclose(var2.numpy(), textbook_adam(W0, GRADS, 1e-2), rtol=1e-5, atol=1e-7)
+
+
+def test_every_optimizer_a_job_may_name_exists():
+    from hpcdl.config import TRAIN_OPTIMIZERS
+    from hpcdl.engine.optim import OPTIMIZERS
+
+    assert set(OPTIMIZERS) == set(TRAIN_OPTIMIZERS)
