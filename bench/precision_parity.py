@@ -36,14 +36,14 @@ def parity(data: dict[str, Path], steps: int, filters: int, batch: int, seed: in
     from hpcdl.config import load_job
     from hpcdl.engine.optim import make_optimizer
     from hpcdl.engine.step import make_train_step
-    from hpcdl.workloads.hep import data as hepdata
     from hpcdl.workloads.hep import metrics
+    from hpcdl.workloads.hep.normalization import Normalization
     from hpcdl.workloads.hep.workload import WORKLOAD
 
     job = load_job("hep", [f'data.train="{data["train"]}"', f'data.val="{data["val"]}"',
                            f'data.test="{data["test"]}"', f"model.filters={filters}",
                            f"train.batch_per_rank={batch}", "data.chunk_events=1024"])
-    stats = hepdata.Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
+    stats = Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
     shape = WORKLOAD.input_shape(job)
     out = {"steps": steps, "filters": filters, "batch": batch, "image": list(shape), "runs": {}}
     for precision, dtype in (("float32", "float32"), ("mixed_bfloat16", "bfloat16")):

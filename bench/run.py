@@ -576,9 +576,10 @@ def sustained_run(b: Bench, files: dict[str, Path], precision: str) -> None:
 
 def section_reader(b: Bench) -> None:
     from hpcdl.workloads.hep import data as hepdata
+    from hpcdl.workloads.hep.normalization import Normalization
 
     files = generated(b, b.args.sustained_events, 224)
-    norm = hepdata.Normalization.from_file(files["train"])
+    norm = Normalization.from_file(files["train"])
     rates = []
     for _ in range(2):
         it = hepdata.iter_batches(files["train"], b.args.batch, norm=norm, shuffle=True, seed=1,

@@ -9,21 +9,15 @@ no function ever loads a whole dataset. :func:`iter_batches` reads only the call
 about ``(prefetch + 2) × chunk_events`` events are in memory at once (``prefetch`` queued chunks,
 one being read, one being consumed).
 
-Normalisation follows the paper's code: each channel is divided by its maximum over the training
-file (:func:`channel_max`); :class:`Normalization` carries those scales together with the per-class
-mean event weights (:func:`class_weight_means`) used to balance the classes in training, and
-round-trips through JSON (:meth:`Normalization.to_dict` / :meth:`Normalization.from_dict`) so the
-numbers travel with the model.
+Normalisation (per-channel scales, class weights) is :mod:`hpcdl.workloads.hep.normalization`.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Tuple
 
 import h5py
 import numpy as np
@@ -34,6 +28,9 @@ from hpcdl.workloads.hep.layout import (
     open_hep,
 )
 
+if TYPE_CHECKING:
+    from hpcdl.workloads.hep.normalization import Normalization
+
 __all__ = [
     "LAYOUT_BENCHMARK",
     "LAYOUT_NERSC",
@@ -42,10 +39,7 @@ __all__ = [
     "DataError",
     "HepFile",
     "HepReader",
-    "Normalization",
     "batches_per_epoch",
-    "channel_max",
-    "class_weight_means",
     "iter_batches",
     "open_hep",
     "shard_range",
@@ -165,12 +159,12 @@ class HepReader:
         )
 
 
-def _chunks(start: int, stop: int, chunk: int) -> Iterator[Tuple[int, int]]:
+def event_chunks(start: int, stop: int, chunk: int) -> Iterator[Tuple[int, int]]:
     for lo in range(start, stop, chunk):
         yield lo, min(lo + chunk, stop)
 
 
-def _check_chunk(chunk: int, name: str = "chunk") -> int:
+def check_chunk(chunk: int, name: str = "chunk") -> int:
     if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
         raise ValueError(f"{name} must be a positive integer, got {chunk!r}")
     return int(chunk)
@@ -216,122 +210,6 @@ def batches_per_epoch(
 
 
 # --------------------------------------------------------------------------------------------------
-# normalisation and class balance
-
-
-def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-    """Each channel's maximum over the whole file, as float64 ``(3,)``, streaming ``chunk`` events."""
-    chunk = _check_chunk(chunk)
-    hep = as_hep(path)
-    out = np.full(3, -np.inf)
-    with hep.open() as reader:
-        for lo, hi in _chunks(0, hep.n_events, chunk):
-            x = reader.read_images(lo, hi)
-            np.maximum(out, x.max(axis=(0, 1, 2)), out=out)
-    return out
-
-
-def class_weight_means(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-    """Mean event weight per class, float64 ``(2,)`` indexed by label: ``[background, signal]``.
-
-    A trainer balances the classes with ``w / means[y]``: each class then has mean weight 1, so
-    both contribute equally however different their cross-sections. A class absent from the file
-    gets 1.0 (no event will use it). Reads labels and weights only, ``chunk`` events at a time.
-    """
-    chunk = _check_chunk(chunk)
-    hep = as_hep(path)
-    sums = np.zeros(2)
-    counts = np.zeros(2)
-    with hep.open() as reader:
-        for lo, hi in _chunks(0, hep.n_events, chunk):
-            y = reader.read_labels(lo, hi)
-            w = reader.read_weights(lo, hi).astype(np.float64)
-            sums += np.bincount(y, weights=w, minlength=2)
-            counts += np.bincount(y, minlength=2)
-    means = np.ones(2)
-    present = counts > 0
-    means[present] = sums[present] / counts[present]
-    if np.any(means[present] <= 0) or not np.all(np.isfinite(means)):
-        raise DataError.at(hep.path, f"class mean weights must be positive and finite, got {means.tolist()}")
-    return means
-
-
-def _positive_finite(name: str, values, n: int) -> Tuple[float, ...]:
-    try:
-        vals = tuple(float(v) for v in values)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be {n} numbers, got {values!r}") from None
-    if len(vals) != n:
-        raise ValueError(f"{name} must have {n} entries, got {len(vals)}")
-    if not all(math.isfinite(v) for v in vals):
-        raise ValueError(f"{name} must be finite, got {vals}")
-    return vals
-
-
-@dataclass(frozen=True)
-class Normalization:
-    """Per-channel input scales and per-class mean weights, stored with a trained model.
-
-    ``scale``: each channel's training-set maximum (images are divided by it; a scale of zero or
-    less, i.e. an all-empty channel, leaves that channel unchanged). ``class_weight_mean``: mean
-    event weight of ``[background, signal]`` (see :func:`class_weight_means`).
-    """
-
-    scale: Tuple[float, float, float]
-    class_weight_mean: Tuple[float, float] = (1.0, 1.0)
-
-    def __post_init__(self):
-        object.__setattr__(self, "scale", _positive_finite("scale", self.scale, 3))
-        cwm = _positive_finite("class_weight_mean", self.class_weight_mean, 2)
-        if min(cwm) <= 0:
-            raise ValueError(f"class_weight_mean must be positive, got {cwm}")
-        object.__setattr__(self, "class_weight_mean", cwm)
-
-    @classmethod
-    def from_file(cls, path, chunk: int = DEFAULT_CHUNK) -> "Normalization":
-        """Scales and class means of a (training) file."""
-        hep = as_hep(path)
-        return cls(
-            tuple(channel_max(hep, chunk).tolist()), tuple(class_weight_means(hep, chunk).tolist())
-        )
-
-    def _divisor(self) -> np.ndarray:
-        s = np.asarray(self.scale, dtype=np.float32)
-        return np.where(s > 0, s, np.float32(1.0))
-
-    def apply(self, images: np.ndarray, inplace: bool = False) -> np.ndarray:
-        """``images`` (``(..., 3)``, channels last) divided by the channel scales, float32."""
-        images = np.asarray(images)
-        if images.ndim < 1 or images.shape[-1] != 3:
-            raise ValueError(f"images must have 3 channels last, got shape {images.shape}")
-        if inplace:
-            if images.dtype != np.float32:
-                raise ValueError(f"inplace normalisation needs float32 images, got {images.dtype}")
-            images /= self._divisor()
-            return images
-        return np.divide(images, self._divisor(), dtype=np.float32)
-
-    def event_weights(self, y, w) -> np.ndarray:
-        """Class-balanced training weights ``w / class_weight_mean[y]`` (float32)."""
-        y = np.asarray(y).astype(np.int64)
-        return (np.asarray(w, dtype=np.float64) / np.asarray(self.class_weight_mean)[y]).astype(
-            np.float32
-        )
-
-    def to_dict(self) -> dict:
-        return {"scale": list(self.scale), "class_weight_mean": list(self.class_weight_mean)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Normalization":
-        if not isinstance(d, Mapping) or "scale" not in d:
-            raise ValueError(f"normalisation must be a mapping with a 'scale' entry, got {d!r}")
-        unknown = set(d) - {"scale", "class_weight_mean"}
-        if unknown:
-            raise ValueError(f"unknown normalisation entries: {sorted(unknown)}")
-        return cls(tuple(d["scale"]), tuple(d.get("class_weight_mean", (1.0, 1.0))))
-
-
-# --------------------------------------------------------------------------------------------------
 # batch iteration
 
 
@@ -348,7 +226,7 @@ def _chunk_stream(
     halt: threading.Event,
 ) -> Iterator[Tuple[int, Optional[Batch]]]:
     """Yield ``(epoch, chunk)`` for each chunk of the shard and ``(epoch, None)`` at epoch ends."""
-    bounds = list(_chunks(start, stop, chunk_events))
+    bounds = list(event_chunks(start, stop, chunk_events))
     with hep.open() as reader:
         epoch = 0
         while epochs is None or epoch < epochs:
@@ -556,8 +434,8 @@ def iter_batches(
     also stops the thread.
     """
     hep = as_hep(path)
-    batch_size = _check_chunk(batch_size, "batch_size")
-    chunk_events = _check_chunk(chunk_events, "chunk_events")
+    batch_size = check_chunk(batch_size, "batch_size")
+    chunk_events = check_chunk(chunk_events, "chunk_events")
     if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
         raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
     if epochs is not None and (

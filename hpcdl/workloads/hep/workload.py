@@ -16,6 +16,7 @@ from hpcdl.config import JobError
 from hpcdl.workloads.base import Workload
 from hpcdl.workloads.hep import data as hepdata
 from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig
+from hpcdl.workloads.hep.normalization import Normalization
 
 
 class HepWorkload(Workload):
@@ -43,7 +44,7 @@ class HepWorkload(Workload):
             )
 
     def compute_stats(self, job) -> dict[str, Any]:
-        return hepdata.Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
+        return Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
 
     def input_shape(self, job) -> tuple[int, int, int]:
         return tuple(hepdata.open_hep(job.data.train).image_shape)
@@ -54,7 +55,7 @@ class HepWorkload(Workload):
         return HepCNN(model_config, tuple(input_shape), seed=seed, compute_dtype=compute_dtype)
 
     def train_batches(self, job, stats, shard: int, shards: int, seed: int) -> Iterator[tuple]:
-        norm = hepdata.Normalization.from_dict(stats)
+        norm = Normalization.from_dict(stats)
         batches = hepdata.iter_batches(
             job.data.train, job.train.batch_per_rank, rank=shard, size=shards, norm=norm,
             shuffle=True, seed=seed, chunk_events=job.data.chunk_events, prefetch=job.data.prefetch,
@@ -77,7 +78,7 @@ class HepWorkload(Workload):
         labels and weights."""
         import tensorflow as tf
 
-        norm = hepdata.Normalization.from_dict(stats)
+        norm = Normalization.from_dict(stats)
         predict = tf.function(lambda x: tf.nn.softmax(model(x, training=False))[:, 1], reduce_retracing=True)
         parts: dict[str, list] = {"score": [], "y": [], "w": [], "pass": [], "index": []}
         has_pass = True
@@ -110,7 +111,7 @@ class HepWorkload(Workload):
         s = self.scores(model, stats, data, batch_size=min(512, limit), limit=limit)
         y = s["y"].astype(np.int64)
         p = np.clip(s["score"].astype(np.float64), 1e-7, 1.0 - 1e-7)
-        w = hepdata.Normalization.from_dict(stats).event_weights(y, s["w"]).astype(np.float64)
+        w = Normalization.from_dict(stats).event_weights(y, s["w"]).astype(np.float64)
         out = {"loss": float(-np.sum(w * np.where(y == 1, np.log(p), np.log1p(-p))) / np.sum(w))}
         try:
             m = metrics.evaluate_scores(s["score"], s["y"], s["w"], s.get("pass"))

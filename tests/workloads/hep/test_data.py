@@ -14,14 +14,12 @@ import pytest
 from hpcdl.workloads.hep import data as hd
 from hpcdl.workloads.hep.data import (
     DataError,
-    Normalization,
     batches_per_epoch,
-    channel_max,
-    class_weight_means,
     iter_batches,
     open_hep,
     shard_range,
 )
+from hpcdl.workloads.hep.normalization import Normalization, channel_max, class_weight_means
 
 
 def _arrays(n, h=6, w=5, seed=0):
