@@ -46,38 +46,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
 
         backend_view = get_scheduler(info["backend"]).describe(run)
     now = time.time()
-    groups = []
-    for g in range(job.run.groups):
-        metrics = read_jsonl(run.metrics_file(g))
-        state = _read_json(run.group_state_file(g)) or {}
-        last = metrics[-1] if metrics else {}
-        backend = backend_view.get("groups", {}).get(str(g), {})
-        reported = state.get("state", State.PENDING)
-        group_state = _group_state(reported, backend.get("state"))
-        # A group that has ended exchanges nothing more: its exchange age stops at its last report.
-        until = last.get("time", now) if group_state in ENDED else now
-        groups.append({
-            "group": g,
-            "state": group_state,
-            "step": last.get("step", 0),
-            "steps": job.train.steps,
-            "loss": last.get("loss"),
-            "images_per_s": last.get("images_per_s"),
-            # the newest validation (train.validate_every): {"step", "auc", "loss", ...}
-            "validation": {k[4:]: v for k, v in last.items() if k.startswith("val_")} or None,
-            "flops_per_s": last.get("flops_per_s_group"),
-            "peak_flops_per_s": max((m.get("flops_per_s_group", 0.0) for m in metrics), default=None),
-            "sustained_flops_per_s": last.get("sustained_flops_per_s_group"),
-            "last_report_age_s": now - last["time"] if "time" in last else None,
-            "exchange_age_s": max(0.0, until - last["exchange_last_s"]) if last.get("exchange_last_s") else None,
-            "exchange_version": last.get("exchange_version"),
-            "published": last.get("exchange_published"),
-            "adopted": last.get("exchange_adopted"),
-            "unpublished": last.get("exchange_unpublished"),
-            # The local supervisor counts restarts; under SLURM each rank reports SLURM_RESTART_COUNT.
-            "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
-            "backend": backend,
-        })
+    groups = [_group_entry(run, job, g, backend_view.get("groups", {}).get(str(g), {}), now)
+              for g in range(job.run.groups)]
     for entry in groups:
         if entry["state"] in FAILED:
             # Where to look, and the reason when the logs say it (a missing file, a crash).
@@ -121,6 +91,39 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "applier": applier,
         "storage": storage,
         "totals": totals,
+    }
+
+
+def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) -> dict[str, Any]:
+    """Group g as status shows it: its root's last report, beside what the backend says."""
+    metrics = read_jsonl(run.metrics_file(g))
+    state = _read_json(run.group_state_file(g)) or {}
+    last = metrics[-1] if metrics else {}
+    reported = state.get("state", State.PENDING)
+    group_state = _group_state(reported, backend.get("state"))
+    # A group that has ended exchanges nothing more: its exchange age stops at its last report.
+    until = last.get("time", now) if group_state in ENDED else now
+    return {
+        "group": g,
+        "state": group_state,
+        "step": last.get("step", 0),
+        "steps": job.train.steps,
+        "loss": last.get("loss"),
+        "images_per_s": last.get("images_per_s"),
+        # the newest validation (train.validate_every): {"step", "auc", "loss", ...}
+        "validation": {k[4:]: v for k, v in last.items() if k.startswith("val_")} or None,
+        "flops_per_s": last.get("flops_per_s_group"),
+        "peak_flops_per_s": max((m.get("flops_per_s_group", 0.0) for m in metrics), default=None),
+        "sustained_flops_per_s": last.get("sustained_flops_per_s_group"),
+        "last_report_age_s": now - last["time"] if "time" in last else None,
+        "exchange_age_s": max(0.0, until - last["exchange_last_s"]) if last.get("exchange_last_s") else None,
+        "exchange_version": last.get("exchange_version"),
+        "published": last.get("exchange_published"),
+        "adopted": last.get("exchange_adopted"),
+        "unpublished": last.get("exchange_unpublished"),
+        # The local supervisor counts restarts; under SLURM each rank reports SLURM_RESTART_COUNT.
+        "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
+        "backend": backend,
     }
 
 
