@@ -14,7 +14,7 @@ from rich.console import Console
 
 from hpcdl import __version__
 from hpcdl.config import BACKEND_CHOICES
-from hpcdl.perf.inputs import PLANNED_WORKLOADS
+from hpcdl.perf import PLANNED_WORKLOADS
 from hpcdl.workloads import names as workload_names
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
@@ -186,8 +186,7 @@ def _read_state(path: Path) -> dict:
 def status(run, runs_dir, as_json, watch, interval, plot):
     """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
     from hpcdl.display import status_view
-    from hpcdl.runs import find_run
-    from hpcdl.runs import State
+    from hpcdl.runs import State, find_run
     from hpcdl.status import collect
 
     if plot and watch:

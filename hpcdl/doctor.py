@@ -10,6 +10,8 @@ from typing import Any
 
 from hpcdl.config import TuningConfig
 from hpcdl.engine.tuning import (
+    CpuInfo,
+    ThreadPlan,
     affinity_cores,
     cgroup_cpu_quota,
     cores_per_rank,
@@ -26,12 +28,12 @@ from hpcdl.engine.tuning import (
 class RankSetup:
     """Where a rank on this host would run and the thread plan it would get."""
 
-    cpu: Any
+    cpu: CpuInfo
     mask: int
     quota: float | None
     usable: int
     ranks_on_host: int
-    plan: Any  # hpcdl.engine.tuning.ThreadPlan
+    plan: ThreadPlan
 
     @classmethod
     def here(cls, tuning: TuningConfig | None = None, ranks_on_host: int = 1,

@@ -339,10 +339,7 @@ def follow_supervisor(environ: Mapping[str, str], poll_s: float = 2.0) -> None:
             time.sleep(poll_s)
             try:
                 os.kill(supervisor, 0)
-            except ProcessLookupError:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            except PermissionError:  # alive, someone else's: cannot be ours any more
+            except (ProcessLookupError, PermissionError):  # gone (or its pid is someone else's now)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 

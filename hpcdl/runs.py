@@ -48,11 +48,12 @@ from hpcdl.storage import REPORT_FILE, StorageReport
 import tomllib
 
 
-# The names of the marks in a group's directory; the sbatch template gets them as placeholders.
 MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.engine.train)
+# The names of the marks in a group's directory; the sbatch template gets them as placeholders.
 STOP_MARK_NAME = "stop"
 REQUEUE_MARK_NAME = "requeue"
 PLANNED_REQUEUES_NAME = "planned-requeues"  # SLURM: the requeues a group asked for itself
+
 
 class State(StrEnum):
     """What a group (or a whole run) is doing, in the few words a user needs: each backend maps

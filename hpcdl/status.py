@@ -222,8 +222,7 @@ def _group_state(reported: str, scheduler_state: str | None) -> State:
     """The training's own word wins once it finished; otherwise the scheduler knows better."""
     if reported == State.FINISHED:
         return State.FINISHED
-    word = (scheduler_state or reported).lower()
-    return State(word) if word in State.__members__.values() else State.UNKNOWN
+    return State._value2member_map_.get((scheduler_state or reported).lower(), State.UNKNOWN)
 
 
 def _run_state(states: list[State]) -> State:

@@ -27,6 +27,7 @@ class ApplierConfig:
     events_max_bytes: int = 64 << 20  # events.jsonl rotated past this
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lr", float(self.lr))
         if self.optimizer not in UPDATE_RULES:
             raise ValueError(f"optimizer must be one of {sorted(UPDATE_RULES)}, got {self.optimizer!r}")
         if self.stale_policy not in STALE_POLICIES:

@@ -27,9 +27,9 @@ import tensorflow as tf
 from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
+from hpcdl.engine.tuning import precision_policy
 from hpcdl.runs import MANIFEST, State, append_jsonl, write_json_atomic
 from hpcdl.storage import StorageReport, attempt, save_checkpoint
-from hpcdl.engine.tuning import precision_policy
 
 
 

@@ -84,13 +84,13 @@ def _check_nonneg(**kw: int) -> None:
 DURABLE_KINDS = frozenset({"weights", "init", "state"})
 
 
-
 def applier_status_file(root: Path) -> Path:
     """The applier's status.json under an exchange directory (read by `hpcdl status`)."""
     return Path(root) / "applier" / "status.json"
 
+
 class Channel:
-    """One run's exchange directory: layout, publishing and reading (see the module docstring).
+    """One run's exchange directory: layout, publishing and reading (see :mod:`hpcdl.exchange`).
 
     ``max_pending_per_group``: when set, publish_update keeps at most this many pending updates of
     the publishing group, deleting that group's oldest ones. ``signer``: the tag (plain SHA-256 by

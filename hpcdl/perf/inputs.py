@@ -19,8 +19,6 @@ from typing import Any, Mapping, NamedTuple, Sequence
 from hpcdl.config import DELTA_DTYPES, EXCHANGE_KINDS
 from hpcdl.perf.model import hep_network
 
-PLANNED_WORKLOADS = ("hep",)  # the planner models the HEP network (hep_network)
-
 
 class InputField(NamedTuple):
     name: str
@@ -139,7 +137,7 @@ class PlanInputs:
         preset = dict(HPCDL_DEFAULTS)
         preset.update(
             node_flops=(float(node_flops), source),
-            flops_per_example=(float(flops.training), f"HEP network at {shape}, hpcdl.engine.nn formulas"),
+            flops_per_example=(float(flops.training), f"HEP network at {shape}, HepModelConfig.cost"),
             batch_per_node=(int(batch_per_node), "hpcdl's HEP job (jobs/hep.toml)"
                             if batch_per_node == 128 else source),
             model_bytes=(float(params * 4), f"{params:,} fp32 parameters of the HEP network"),
@@ -322,7 +320,7 @@ _PAPER_FLOPS, _PAPER_PARAMS = hep_network()
 PAPER_CORI_HEP: dict[str, tuple[Any, str]] = {
     "node_flops": (1.90e12, "paper: HEP single-node rate on a Xeon Phi 7250 (Intel Caffe)"),
     "flops_per_example": (float(_PAPER_FLOPS.training),
-                          "hpcdl HEP network at 224x224x3, hpcdl.engine.nn formulas"),
+                          "hpcdl HEP network at 224x224x3, HepModelConfig.cost"),
     "batch_per_node": (8, "paper's per-node batch at scale (recalled; uncertain)"),
     "model_bytes": (float(_PAPER_PARAMS * 4), f"{_PAPER_PARAMS:,} fp32 parameters of the HEP network"),
     "allreduce_latency": (3.7e-6, "NERSC Cori page: Aries MPI latency 0.25-3.7 us (top)"),

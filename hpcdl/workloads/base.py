@@ -7,6 +7,8 @@ code, and the schedulers contain neither.
 
 from __future__ import annotations
 
+import importlib
+
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,10 +40,12 @@ class Workload(ABC):
     # other CLI options it takes (their option names with underscores).
     generate_count: str
     generate_options: tuple[str, ...] = ()
+    generator_module: str  # its `generate(out_dir, count, seed=, progress=, **options)`
 
-    @abstractmethod
     def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
         """Write a synthetic data set (train, val, test) in the workload's published layout."""
+        generator = importlib.import_module(self.generator_module)  # numpy and h5py only, when asked
+        return generator.generate(out_dir, count, seed=seed, progress=progress, **options)
 
     @abstractmethod
     def check_data(self, job) -> None:

@@ -193,7 +193,6 @@ def test_environment_before_tensorflow_loads(monkeypatch):
         "TF_SET_ONEDNN_FPMATH_MODE": "", "ONEDNN_DEFAULT_FPMATH_MODE": "STRICT",
         "TF_CPP_MIN_LOG_LEVEL": "1",
     }
-    assert plan.environment(TuningConfig()) == env  # the old call still works
     off = plan_threads(TuningConfig(onednn=False), 6, "x").environment()
     assert off["TF_ENABLE_ONEDNN_OPTS"] == "0"
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "3")

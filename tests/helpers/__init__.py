@@ -7,10 +7,8 @@ from pathlib import Path
 APPLIER_PROCESS = str(Path(__file__).with_name("applier_process.py"))
 
 
-def applier_for(channel, optimizer: str = "sgd", lr: float = 1.0, *, initial=None, lock: bool = True,
-                crash=None, **config):
+def applier_for(channel, optimizer: str = "sgd", lr: float = 1.0, *, initial=None, lock: bool = True, **config):
     """An Applier on `channel` with `optimizer` at `lr` and any other ApplierConfig field."""
     from hpcdl.applier import Applier, ApplierConfig
 
-    extra = {"crash": crash} if crash is not None else {}
-    return Applier(channel, ApplierConfig(optimizer=optimizer, lr=lr, **config), initial=initial, lock=lock, **extra)
+    return Applier(channel, ApplierConfig(optimizer=optimizer, lr=lr, **config), initial=initial, lock=lock)

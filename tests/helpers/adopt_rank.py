@@ -10,8 +10,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.config import load_job
-from hpcdl.storage import StorageReport
 from hpcdl.engine.train import GroupPaths, train_group
+from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 
 

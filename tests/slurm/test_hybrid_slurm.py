@@ -51,7 +51,7 @@ def shard_applier_pid(run_dir: Path, shard: int) -> int | None:
 
 
 def test_two_shards_in_one_applier_job_across_a_kill_of_one(slurm_cluster, hep_files, tmp_path):
-    from tests.test_shards import applied_exactly_once as shard_exactly_once
+    from tests.exchange.test_shards import applied_exactly_once as shard_exactly_once
 
     sub = submit(hep_files, tmp_path, 100, "exchange.shards=2", "exchange.max_pending_per_group=1000",
                  "exchange.max_staleness=1000", nodes=2, group_size=1)

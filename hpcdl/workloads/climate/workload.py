@@ -33,11 +33,7 @@ class ClimateWorkload(Workload):
     ModelConfig = ClimateModelConfig
     generate_count = "images"
     generate_options = ("height", "width", "labelled_fraction")
-
-    def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
-        from hpcdl.workloads.climate.generate import generate
-
-        return generate(out_dir, count, seed=seed, progress=progress, **options)
+    generator_module = "hpcdl.workloads.climate.generate"
 
     def check_data(self, job) -> None:
         prep = cdata.Preprocess.from_config(job.data)

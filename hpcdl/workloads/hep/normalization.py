@@ -13,7 +13,8 @@ from typing import Any, Mapping, Tuple
 
 import numpy as np
 
-from hpcdl.workloads.hep.data import DEFAULT_CHUNK, DataError, as_hep, check_chunk, event_chunks
+from hpcdl.workloads.hep.data import check_chunk, event_chunks
+from hpcdl.workloads.hep.layout import DEFAULT_CHUNK, DataError, as_hep
 
 def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     """Each channel's maximum over the whole file, as float64 ``(3,)``, streaming ``chunk`` events."""

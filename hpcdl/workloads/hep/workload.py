@@ -26,11 +26,7 @@ class HepWorkload(Workload):
     compute_dtypes = ("float32", "bfloat16")
     generate_count = "events"
     generate_options = ("image_size",)
-
-    def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
-        from hpcdl.workloads.hep.generate import generate
-
-        return generate(out_dir, count, seed=seed, progress=progress, **options)
+    generator_module = "hpcdl.workloads.hep.generate"
 
     def check_data(self, job) -> None:
         try:
