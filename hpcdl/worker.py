@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from hpcdl.launch import LaunchError, RankEnv, expand_nodelist, follow_supervisor, slurm_group_plan, start_rendezvous
-from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
+from hpcdl.launch import (
+    LaunchError, RankEnv, expand_nodelist, follow_supervisor, slurm_group_plan, start_rendezvous,
+)
+from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 
 STATS_WAIT_S = 3600.0
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
