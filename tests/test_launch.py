@@ -1,6 +1,8 @@
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -116,7 +118,7 @@ def test_open_mpi_root_needs_both_variables():
 FOLLOWER = textwrap.dedent("""
     import os, signal, sys, time
     from hpcdl.launch import follow_supervisor
-    signal.signal(signal.SIGTERM, lambda *_: (open(sys.argv[1], "w").write("stopped"), sys.exit(0)))
+    signal.signal(signal.SIGTERM, lambda signum, _: (open(sys.argv[1], "w").write(f"stopped by {signum}"), sys.exit(0)))
     follow_supervisor(os.environ, poll_s=0.1)
     open(sys.argv[1] + ".ready", "w").close()
     time.sleep(60)
@@ -140,8 +142,12 @@ def test_a_local_backends_process_stops_when_its_supervisor_is_killed(tmp_path, 
     """)])
     try:
         wait_for(lambda: Path(f"{mark}.ready").exists(), timeout=60, what="the follower started")
+        assert not mark.exists()  # alive while its supervisor is
         supervisor.kill()
         supervisor.wait(timeout=10)
-        wait_for(lambda: mark.exists() and mark.read_text() == "stopped", timeout=30, what="the follower stopped")
+        killed_at = time.monotonic()
+        wait_for(lambda: mark.exists() and mark.read_text(), timeout=30, what="the follower stopped")
+        assert mark.read_text() == f"stopped by {int(signal.SIGTERM)}"  # the clean stop's signal
+        assert time.monotonic() - killed_at < 10
     finally:
         supervisor.kill()
