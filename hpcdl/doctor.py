@@ -14,11 +14,10 @@ from hpcdl.engine.tuning import (
     ThreadPlan,
     affinity_cores,
     cgroup_cpu_quota,
-    cores_per_rank,
     loaded_openmp_runtimes,
     onednn_enabled,
     openblas_coretype,
-    plan_threads,
+    plan_for_this_process,
     read_cpuinfo,
     usable_cores,
 )
@@ -40,11 +39,9 @@ class RankSetup:
              slurm_task: bool = False) -> "RankSetup":
         """`tuning`: a job's `[tuning]` section (default: the defaults); `ranks_on_host`: how many
         ranks would share this host."""
-        tuning = tuning or TuningConfig()
         cpu, mask, quota = read_cpuinfo(), affinity_cores(), cgroup_cpu_quota()
+        plan = plan_for_this_process(tuning or TuningConfig(), ranks_on_host, slurm_task=slurm_task)
         usable = usable_cores(mask, quota)
-        cores, why = cores_per_rank(os.environ, usable, ranks_on_host, slurm_task=slurm_task)
-        plan = plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=cpu)
         return cls(cpu, mask, quota, usable, ranks_on_host, plan)
 
 
