@@ -19,7 +19,7 @@ The per-run secret
 ==================
 ``<run>/run.key``: 32 random bytes (hex, one line), created at submit time by
 :func:`hpcdl.runs.create_run` with ``O_EXCL`` in the owner-only (or group-only) mode. Every
-:class:`hpcdl.exchange.Channel` of the run uses it as its HMAC-SHA256 key (:func:`run_signer`), so
+:class:`hpcdl.exchange.Channel` of the run uses it as the key of its tags (:func:`run_signer`), so
 an exchange file written by anybody without the key (another user, another run, a stale process of
 an older run) fails its tag check and is rejected like a corrupt one. :func:`load_key` refuses a
 key file that is not a regular file, is a symlink, is larger than a key, or that anyone outside
@@ -256,7 +256,7 @@ def load_key(run_root: str | os.PathLike[str]) -> bytes:
 
 
 def run_signer(run_root: str | os.PathLike[str]):
-    """The :class:`hpcdl.exchange.Signer` of a run: HMAC-SHA256 with the run's key."""
+    """The :class:`hpcdl.exchange.Signer` of a run: keyed tags (Poly1305) under the run's key."""
     from hpcdl.exchange import Signer
 
     return Signer(load_key(run_root))

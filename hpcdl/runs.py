@@ -3,7 +3,7 @@
     runs/<run-id>/
       job.toml              the resolved job (what every process reads)
       run.json              run id, backend, created, scheduler job ids
-      run.key               the run's secret: the HMAC key of its exchange (see hpcdl.runkey)
+      run.key               the run's secret: the key of its exchange's tags (see hpcdl.runkey)
       stats.json            workload normalisation constants (written once, atomically)
       groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
       groups/<g>/state.json      the group's last known state (published atomically)
@@ -123,7 +123,7 @@ class RunDir:
         return self.root / KEY_FILE
 
     def signer(self):
-        """The HMAC signer of this run's exchange (raises RunKeyError without a sound key)."""
+        """The keyed signer of this run's exchange (raises RunKeyError without a sound key)."""
         from hpcdl.runkey import RunKeyError, run_signer
 
         try:

@@ -199,7 +199,7 @@ def test_each_run_has_its_own_key(tmp_path):
     with create_run(job, "local") as (_, b):
         pass
     assert load_key(a.root) != load_key(b.root)
-    assert a.signer().alg == "hmac-sha256"
+    assert a.signer().alg == "poly1305"
 
 
 def test_run_channels_reject_files_written_with_another_key(tmp_path):

@@ -68,7 +68,7 @@ retry with backoff; it does not process anything until that reload has succeeded
 
 Authentication: the applier reads and writes with its channel's signer. A run's applier
 (``python -m hpcdl.worker RUN --applier``) uses the run's key, so an update, proposal or state
-written without it (missing tag, plain SHA-256 tag, or an HMAC under another key) is rejected as
+written without it (missing tag, plain SHA-256 tag, or a keyed tag under another key) is rejected as
 ``rejected_corrupt`` with a reason that says so, logged and moved aside like any corrupt file.
 An update file larger than the master's tensors can need (every element as 8 bytes, plus the
 largest header) is refused before it is read, so a huge file cannot make the applier allocate

@@ -101,12 +101,13 @@ File format (version 1), all integers little-endian
     8       4     u32 format version (1)
     12      4     u32 header length H   (H <= MAX_HEADER_BYTES = 1 MiB)
     16      8     u64 payload length P  (56 + H + P must equal the file size)
-    24      32    tag: SHA-256, or HMAC-SHA256 with a per-run key, over bytes [0, 24) + header + payload
+    24      32    tag field over bytes [0, 24) + header + payload: a SHA-256 digest, or with a per-run
+                  key a 16-byte nonce then a 16-byte Poly1305 tag (below)
     56      H     header: UTF-8 JSON object
     56+H    P     payload: raw little-endian tensor bytes (writers align each tensor to 64 bytes)
 
 Header fields: ``run_id`` (str), ``kind`` ("update" | "weights" | "init" | "state"), ``tag_alg``
-("sha256" | "hmac-sha256"), ``created`` (unix time, float), ``group``, ``seq``, ``base_version``,
+("sha256" | "poly1305" | "hmac-sha256"), ``created`` (unix time, float), ``group``, ``seq``, ``base_version``,
 ``version`` (int or null; which are required depends on the kind: update needs group, seq,
 base_version; weights and state need version; init needs group), ``meta`` (a JSON object for the
 writer's own use; the applier's state keeps its counters there), and ``tensors``: a list of
@@ -131,8 +132,12 @@ the file name. A caller that knows how large a file can legitimately be passes `
 
 Integrity versus authenticity: with ``Signer(key=None)`` the tag is a plain SHA-256 (it detects
 corruption, not forgery). ``Signer(key=b"...")`` switches every writer and reader of a Channel to
-HMAC-SHA256 with that key; a reader refuses a file whose ``tag_alg`` differs from its own
-signer's (no downgrade). A run's channels use the run's key (:func:`hpcdl.runkey.run_signer`),
+a keyed tag: Poly1305 (RFC 8439) under a one-time key HMAC-SHA256(key, label + nonce), where the
+nonce is 16 random bytes drawn per file and kept in the tag field (a one-time authenticator must
+never tag two messages under one key; 128-bit random nonces do not repeat). A keyed reader also
+accepts ``hmac-sha256`` tags (HMAC-SHA256 under the key, the 32-byte field; what earlier versions
+wrote), and refuses a file whose ``tag_alg`` is neither, in particular a keyless one (no
+downgrade). A run's channels use the run's key (:func:`hpcdl.runkey.run_signer`),
 so a file written without it -- by another user, another run, a stale process -- is rejected like
 a corrupt one (the applier counts it under ``rejected_corrupt`` and moves it aside).
 

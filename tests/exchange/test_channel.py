@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import pickle
@@ -43,9 +45,9 @@ def craft(path: Path, header: dict, payload: bytes, *, signer: Signer | None = N
     hbytes = json.dumps(header).encode() if hbytes is None else hbytes
     plen = len(payload) if plen is None else plen
     signed = struct.pack("<8sIIQ", magic, fmt, len(hbytes), plen)
-    h = signer.new()
+    h = signer.mac()
     h.update(signed + hbytes + payload)
-    path.write_bytes(signed + h.digest() + hbytes + payload)
+    path.write_bytes(signed + h.field() + hbytes + payload)
     return path
 
 
@@ -166,6 +168,37 @@ def test_hmac_signer(tmp_path: Path) -> None:
         wrong.read_update(p2)
     with pytest.raises(ValueError):
         Signer(b"short")
+
+
+def test_keyed_tags_are_poly1305_under_a_key_of_their_own(tmp_path: Path) -> None:
+    keyed = Channel(tmp_path / "x", RUN, signer=Signer(b"k" * 32))
+    same = {"a": np.arange(8.0)}
+    p1, p2 = keyed.publish_update(0, 1, 0, same), keyed.publish_update(0, 2, 0, same)
+    header, _ = ex.read_file(p1, run_id=RUN, signer=keyed.signer)
+    assert header["tag_alg"] == "poly1305"
+    field1, field2 = p1.read_bytes()[24:56], p2.read_bytes()[24:56]
+    assert field1[:16] != field2[:16]  # a fresh nonce, so a fresh one-time key, per file
+    raw = bytearray(p1.read_bytes())
+    raw[24] ^= 1  # the nonce is not covered by the tag, but the key derived from it is
+    p1.write_bytes(bytes(raw))
+    with pytest.raises(CorruptFile, match="checksum"):
+        keyed.read_update(p1)
+
+
+def test_files_tagged_with_hmac_sha256_stay_readable_under_the_key(tmp_path: Path) -> None:
+    """Runs written before the Poly1305 tag resume: their state and weights carry HMAC-SHA256."""
+    key = b"k" * 32
+    header = base_header(tag_alg="hmac-sha256", tensors=[entry(shape=(4,))])
+    payload = np.arange(4.0).tobytes()
+    hbytes = json.dumps(header).encode()
+    signed = struct.pack("<8sIIQ", ex.MAGIC, ex.FORMAT_VERSION, len(hbytes), len(payload))
+    tag = hmac.new(key, signed + hbytes + payload, hashlib.sha256).digest()
+    path = tmp_path / ex.update_name(1, 2)
+    path.write_bytes(signed + tag + hbytes + payload)
+    keyed = Channel(tmp_path / "x", RUN, signer=Signer(key))
+    assert keyed.read_update(path).tensors["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(CorruptFile, match="checksum"):
+        Channel(tmp_path / "y", RUN, signer=Signer(b"j" * 32)).read_update(path)
 
 
 # ----------------------------------------------------------------------------------------------
