@@ -1,6 +1,6 @@
 """The asynchronous exchange channel between group roots and the applier (parameter server).
 
-Pure numpy + stdlib. Tensors are ``dict[str, np.ndarray]``. Nothing here imports TensorFlow.
+numpy, the stdlib and cryptography (Poly1305). Tensors are ``dict[str, np.ndarray]``. Nothing here imports TensorFlow.
 The file format and its checks are :mod:`.format`, the directory protocol :mod:`.channel` (the
 :class:`Channel`), the partition of the tensors over sharded appliers :mod:`.shards`, and the
 group root's side (publish, adopt, wait) :mod:`.group`. This docstring is the protocol.

@@ -1,7 +1,8 @@
 """The exchange file format: encoding and validation of one file (published by hpcdl.files).
 
 The format and the reader's checks are specified in :mod:`hpcdl.exchange`'s docstring (the
-protocol); this module is their one implementation. Pure numpy + stdlib.
+protocol); this module is their one implementation. numpy, the stdlib and
+cryptography's Poly1305.
 """
 
 from __future__ import annotations
