@@ -1,6 +1,7 @@
 """The applier: the parameter-server role of the hybrid scheme (Kurth et al., SC17).
 
-A process of its own (``python -m hpcdl.worker RUN --applier``), pure numpy + stdlib. It keeps
+A process of its own (``python -m hpcdl.worker RUN --applier``): numpy, its compiled update
+kernels (numba, :mod:`hpcdl.applier.kernels`) and the stdlib, no TensorFlow. It keeps
 the master weights and its own optimizer, applies each group's update (the group-averaged
 gradient published by the group root through :class:`hpcdl.exchange.Channel`) in arrival order,
 and publishes new master weight versions. Groups never wait for it.

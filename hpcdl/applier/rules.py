@@ -2,9 +2,9 @@
 
 Each rule is a small class registered under its name in :data:`UPDATE_RULES`; the job field
 ``exchange.optimizer`` names one, and its validation, the applier and the planner read this
-table. A rule updates the master weights and its own slots in place (numpy, no temporaries the
-size of a tensor beyond one scratch buffer), for one update ``g`` at a time, scaled by ``s`` (1, or
-the staleness scaling's factor). ``t`` counts the updates applied so far, this one included.
+table. A rule updates the master weights and its own slots in place, in one compiled pass per
+tensor (:mod:`hpcdl.applier.kernels`), for one update ``g`` at a time, scaled by ``s`` (1, or the
+staleness scaling's factor). ``t`` counts the updates applied so far, this one included.
 
 For ``exchange.kind = "gradient"`` ``g`` is a group's averaged gradient; for ``"delta"`` it is a
 group's pseudo-gradient ``θ_base − θ_local`` after H local steps (DiLoCo), and the rule is the
@@ -60,88 +60,67 @@ class UpdateRule:
 
     def apply(self, weights: Arrays, slots: Mapping[str, Arrays], update: Mapping[str, np.ndarray],
               scale: float, t: int) -> None:
-        for name, w in weights.items():
-            g = np.asarray(update[name], dtype=w.dtype)
-            self.apply_tensor(w, {s: slots[s][name] for s in self.slots}, g, scale, t)
+        from hpcdl.applier import kernels  # numba: imported by the applier, not by job validation
 
-    def apply_tensor(self, w: np.ndarray, slot: dict[str, np.ndarray], g: np.ndarray,
-                     scale: float, t: int) -> None:
+        for name, w in weights.items():
+            arrays = [w] + [slots[s][name] for s in self.slots]
+            if w.dtype in _COMPILED:
+                flat = [a.reshape(-1) for a in arrays]
+                g = np.ascontiguousarray(update[name], dtype=w.dtype).reshape(-1)
+                self.apply_tensor(kernels, w.dtype.type, *flat, g=g, scale=scale, t=t)
+            else:  # float16 masters: the same kernel on float32 copies, rounded back
+                flat = [a.reshape(-1).astype(np.float32) for a in arrays]
+                g = np.asarray(update[name], dtype=np.float32).reshape(-1)
+                self.apply_tensor(kernels, np.float32, *flat, g=g, scale=scale, t=t)
+                for a, f in zip(arrays, flat):
+                    a.reshape(-1)[:] = f
+
+    def apply_tensor(self, k, dt, w, *slots, g, scale, t) -> None:
+        """One tensor, flat: ``k`` the kernels module, ``dt`` the arithmetic's scalar type."""
         raise NotImplementedError
+
+
+_COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Sgd(UpdateRule):
     name = "sgd"
 
-    def apply_tensor(self, w, slot, g, scale, t):
-        w -= (self.p.lr * scale) * g
+    def apply_tensor(self, k, dt, w, *, g, scale, t):
+        k.sgd(w, g, dt(self.p.lr * scale))
 
 
 class Momentum(UpdateRule):
     name = "momentum"
     slots = ("m",)
 
-    def apply_tensor(self, w, slot, g, scale, t):
-        m = slot["m"]
-        m *= self.p.momentum
-        m += scale * g if scale != 1.0 else g
-        w -= self.p.lr * m
+    def apply_tensor(self, k, dt, w, m, *, g, scale, t):
+        k.momentum(w, m, g, dt(self.p.momentum), dt(scale), dt(self.p.lr))
 
 
 class Adam(UpdateRule):
     name = "adam"
     slots = ("m", "v")
 
-    def __init__(self, params: RuleParams):
-        super().__init__(params)
-        self._scratch: dict[tuple[int, str], np.ndarray] = {}
-
-    def scratch(self, like: np.ndarray) -> np.ndarray:
-        """One buffer per size, kept: a fresh one per update would page-fault megabytes each time."""
-        key = (like.size, like.dtype.str)
-        if key not in self._scratch:
-            self._scratch[key] = np.empty(like.size, like.dtype)
-        return self._scratch[key].reshape(like.shape)
-
-    def apply_tensor(self, w, slot, g, scale, t):
-        # The textbook step, with its scalars folded so that each array is passed over as few
-        # times as numpy allows (the cost is memory traffic): lr·m̂/(√v̂ + ε) =
-        # (lr·√c2/c1)·m/(√v + ε·√c2), and s·g enters m and v through their coefficients.
+    def apply_tensor(self, k, dt, w, m, v, *, g, scale, t):
+        # The textbook step with its scalars folded: lr·m̂/(√v̂ + ε) = (lr·√c2/c1)·m/(√v + ε·√c2),
+        # and s·g enters m and v through their coefficients.
         p = self.p
-        m, v = slot["m"], slot["v"]
         c1, c2 = 1.0 - p.beta1 ** t, 1.0 - p.beta2 ** t
-        tmp = self.scratch(w)
-        if p.beta1:
-            m *= p.beta1
-            np.multiply(g, (1.0 - p.beta1) * scale, out=tmp)
-            m += tmp
-        else:
-            np.multiply(g, scale, out=m)
-        np.multiply(g, g, out=tmp)
-        tmp *= (1.0 - p.beta2) * scale * scale
-        v *= p.beta2
-        v += tmp
-        np.sqrt(v, out=tmp)
-        tmp += p.eps * c2 ** 0.5
-        np.divide(m, tmp, out=tmp)
-        tmp *= p.lr * c2 ** 0.5 / c1
-        w -= tmp
+        k.adam(w, m, v, g, dt(p.beta1), dt(p.beta2), dt((1.0 - p.beta1) * scale),
+               dt((1.0 - p.beta2) * scale * scale), dt(p.lr * c2 ** 0.5 / c1), dt(p.eps * c2 ** 0.5))
 
 
 class Nesterov(UpdateRule):
     name = "nesterov"
     slots = ("m", "b")
 
-    def apply_tensor(self, w, slot, g, scale, t):
+    def apply_tensor(self, k, dt, w, m, b, *, g, scale, t):
         p = self.p
         n = max(1, p.delay)
-        m, b = slot["m"], slot["b"]
-        w -= (p.lr * scale / n) * g
-        b += scale * g if scale != 1.0 else g
+        k.nesterov_arrival(w, b, g, dt(p.lr * scale / n), dt(scale))
         if t % n == 0:
-            m *= p.momentum
-            m += b / n if n > 1 else b
-            w -= (p.lr * p.momentum) * m
-            b.fill(0)
+            k.nesterov_momentum(w, m, b, dt(p.momentum), dt(1.0 / n), dt(p.lr * p.momentum))
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {r.name: r for r in (Sgd, Momentum, Adam, Nesterov)}

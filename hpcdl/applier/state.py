@@ -46,7 +46,7 @@ class DurableState:
 
     def adopt(self, tensors: Mapping[str, np.ndarray], version: int, slot_names: tuple[str, ...]) -> None:
         """New master weights (copied) with fresh slots."""
-        self.weights = {k: np.array(v, copy=True) for k, v in tensors.items()}
+        self.weights = {k: np.array(v, copy=True, order="C") for k, v in tensors.items()}
         self.slots = {s: {k: np.zeros_like(w) for k, w in self.weights.items()} for s in slot_names}
         self.t = 0
         self.version = version

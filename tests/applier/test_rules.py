@@ -73,6 +73,55 @@ def test_rules_keep_zero_dimensional_tensors_arrays():
         assert isinstance(weights["s"], np.ndarray) and weights["s"] < 1.0, name
 
 
+def reference_step(name: str, p: RuleParams, w, slot: dict, g, scale: float, t: int) -> None:
+    """Each rule's formula from the module docstring, in float64 numpy, written out plainly."""
+    if name == "sgd":
+        w -= p.lr * scale * g
+    elif name == "momentum":
+        slot["m"][...] = p.momentum * slot["m"] + scale * g
+        w -= p.lr * slot["m"]
+    elif name == "adam":
+        slot["m"][...] = p.beta1 * slot["m"] + (1 - p.beta1) * scale * g
+        slot["v"][...] = p.beta2 * slot["v"] + (1 - p.beta2) * (scale * g) ** 2
+        m_hat, v_hat = slot["m"] / (1 - p.beta1 ** t), slot["v"] / (1 - p.beta2 ** t)
+        w -= p.lr * m_hat / (np.sqrt(v_hat) + p.eps)
+    else:
+        n = p.delay
+        w -= p.lr * scale / n * g
+        slot["b"] += scale * g
+        if t % n == 0:
+            slot["m"][...] = p.momentum * slot["m"] + slot["b"] / n
+            w -= p.lr * p.momentum * slot["m"]
+            slot["b"][...] = 0
+
+
+@pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 2e-5), (np.float16, 2e-2)])
+@pytest.mark.parametrize("name", sorted(UPDATE_RULES))
+def test_compiled_rules_take_the_formulas_steps_on_every_float_dtype(name, dtype, rtol):
+    rng = np.random.default_rng(7)
+    p = RuleParams(lr=0.05, delay=2)
+    shapes = {"conv": (3, 3, 2, 4), "bias": (4,), "scalar": (), "empty": (0, 3)}
+    w0 = {k: rng.standard_normal(s) for k, s in shapes.items()}
+    rule = make_rule(name, p)
+    weights = {k: a.astype(dtype) for k, a in w0.items()}
+    slots = {s: {k: np.zeros_like(a) for k, a in weights.items()} for s in rule.slots}
+    ref = {k: a.astype(dtype).astype(np.float64) for k, a in w0.items()}
+    ref_slots = {k: {s: np.zeros(shapes[k]) for s in rule.slots} for k in shapes}
+    for t in range(1, 6):
+        # tiny gradients too, where ε matters (not in float16, whose v would underflow to 0)
+        low = 0 if dtype == np.float16 else -6
+        g = {k: rng.standard_normal(s) * 10.0 ** rng.integers(low, 1) for k, s in shapes.items()}
+        scale = 1.0 if t % 2 else 0.5
+        rule.apply(weights, slots, {k: a.astype(dtype) for k, a in g.items()}, scale, t)
+        for k in shapes:
+            reference_step(name, p, ref[k], ref_slots[k], g[k].astype(dtype).astype(np.float64), scale, t)
+    for k in shapes:
+        assert weights[k].dtype == dtype and weights[k].shape == shapes[k]
+        np.testing.assert_allclose(weights[k], ref[k], rtol=rtol, atol=rtol * 1e-2, err_msg=k)
+        for s in rule.slots:
+            assert slots[s][k].dtype == dtype
+
+
 def test_unknown_rule_is_refused():
     with pytest.raises(ValueError, match="unknown update rule"):
         make_rule("adagrad", RuleParams())
