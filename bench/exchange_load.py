@@ -8,7 +8,7 @@ master weights when there is a newer one) at the paper's cadence, against K real
 (``exchange.shards = K``: the tensors partitioned by bytes, :class:`hpcdl.exchange.shards.Partition`;
 each applier starts from its shard's part of the initial weights), for a fixed time; then the
 publishers stop and the appliers drain what is pending (bounded by --drain). Everything goes
-through real files in one exchange directory per shard, authenticated with a per-run HMAC key as
+through real files in one exchange directory per shard, authenticated with a per-run key (Poly1305 tags) as
 a run's channels are. ``--shards 1,2,4`` (the default) repeats the run for each K.
 
 Cadence (the paper's HEP run, Kurth et al. SC17, as hpcdl.perf.planner recalls it): every group
@@ -81,6 +81,7 @@ if str(ROOT) not in sys.path:
 from hpcdl.exchange import Channel, Signer, parse_update_name  # noqa: E402
 from hpcdl.exchange.shards import Partition  # noqa: E402
 from hpcdl.exchange.group import ExchangeSync  # noqa: E402  (imported before the forks: shared)
+from hpcdl.applier.config import ApplierConfig  # noqa: E402
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178
@@ -552,8 +553,8 @@ def _timed(fn, reps: int) -> tuple[list[int], list[int]]:
 def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
     """Time the parts of one full HEP update as the applier does them, in this process.
 
-    The parts: read + verify (Channel.read_update: open, read, HMAC-SHA256, header checks), the
-    finite check, Adam (hpcdl.applier.rules.Adam.apply on weights and two slots), the state save
+    The parts: read + verify (Channel.read_update: open, read, the keyed tag, header checks), the
+    finite check, Adam (hpcdl.applier.rules.Adam.apply: the compiled kernel on weights and two slots), the state save
     and the weights publish (once per batch of `batch`: amortised), the unlink of the update file;
     then whole applier batches (Applier.step on `batch` pending updates, events and status
     included) for comparison with the sum of the parts.
@@ -709,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"seconds between a group's updates (default: the paper's step, {PAPER_STEP_S:.3f})")
     p.add_argument("--max-pending", type=int, default=4,
                    help="exchange.max_pending_per_group (0: no bound)")
-    p.add_argument("--max-batch", type=int, default=8, help="the applier's batch")
+    p.add_argument("--max-batch", type=int, default=ApplierConfig.max_batch, help="the applier's batch")
     p.add_argument("--drain", type=float, default=60.0, help="seconds the appliers may drain after the load")
     p.add_argument("--dir", type=Path, default=None, help="where the exchange lives (default: a temp dir)")
     p.add_argument("--no-fsync", dest="fsync", action="store_false")

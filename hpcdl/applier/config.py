@@ -21,7 +21,7 @@ class ApplierConfig:
     max_staleness: int | None = None  # None: updates of any staleness are applied
     stale_policy: str = "drop"
     keep_versions: int = 3  # published weight versions kept
-    max_batch: int = 8  # updates applied per commit of the durable state
+    max_batch: int = 32  # updates applied per commit of the durable state (and weights publish)
     temp_max_age_s: float = 600.0  # writers' temporaries older than this are a dead writer's
     status_interval: float = 5.0  # status.json rewritten at least this often when idle
     events_max_bytes: int = 64 << 20  # events.jsonl rotated past this
