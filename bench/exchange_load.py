@@ -550,14 +550,15 @@ def _timed(fn, reps: int) -> tuple[list[int], list[int]]:
     return cpu, wall
 
 
-def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
+def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts: list[int]) -> dict:
     """Time the parts of one full HEP update as the applier does them, in this process.
 
     The parts: read + verify (Channel.read_update: open, read, the keyed tag, header checks), the
     finite check, Adam (hpcdl.applier.rules.Adam.apply: the compiled kernel on weights and two slots), the state save
     and the weights publish (once per batch of `batch`: amortised), the unlink of the update file;
     then whole applier batches (Applier.step on `batch` pending updates, events and status
-    included) for comparison with the sum of the parts.
+    included) for comparison with the sum of the parts, and the same for one shard of each K in
+    `shard_counts` (its largest piece of the partition).
     """
     from hpcdl.applier import Applier, ApplierConfig
     from hpcdl.applier.rules import Adam, RuleParams
@@ -614,29 +615,79 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool) -> dict:
         it = iter(copies)
         parts["unlink"] = (*_timed(lambda: os.unlink(next(it)), reps), 1)
 
-        # Whole batches through the real applier loop (listing, events and status included).
-        whole_cpu, whole_wall, seq = [], [], 0
-        for _ in range(slow):
-            for _ in range(batch):
-                app_ch.publish_update(2, seq, app.version, grads)
-                seq += 1
-            c0, w0 = time.process_time_ns(), time.perf_counter_ns()
-            applied = app.counts["applied"]
-            app.step()
-            applied = app.counts["applied"] - applied
-            whole_cpu.append((time.process_time_ns() - c0) // max(1, applied))
-            whole_wall.append((time.perf_counter_ns() - w0) // max(1, applied))
+        whole = _whole_batches(app, app_ch, grads, batch, slow)
+    # The same whole batches for one shard of K: the largest piece of the partition, its own applier.
+    per_shard = {}
+    for k in shard_counts:
+        pieces = partition_of(shapes, k).split(grads)
+        piece = max(pieces, key=lambda t: sum(a.nbytes for a in t.values()))
+        shard_ch = Channel(base / f"shard-of-{k}", RUN_ID, signer=Signer(key), fsync=fsync)
+        initial = {name: np.zeros_like(a) for name, a in piece.items()}
+        with Applier(shard_ch, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3),
+                     initial=initial) as shard_app:
+            per_shard[k] = dict(_whole_batches(shard_app, shard_ch, piece, batch, slow),
+                                params=sum(a.size for a in piece.values()))
     out = {name: {"cpu": _quartiles(cpu, per), "wall": _quartiles(wall, per)}
            for name, (cpu, wall, per) in parts.items()}
     total = sum(v["cpu"]["median_ms"] for v in out.values())
     return {"params": HEP_PARAMS, "update_bytes": HEP_PARAMS * 4, "batch": batch, "fsync": fsync,
             "tag": ch.signer.alg, "parts": out, "sum_of_medians_cpu_ms": total,
-            "applier_step_per_update": {"cpu": _quartiles(whole_cpu), "wall": _quartiles(whole_wall)}}
+            "applier_step_per_update": whole, "shard_step_per_update": per_shard}
 
 
-def _breakdown_child(base: str, reps: int, batch: int, fsync: bool, pin: set[int] | None, out: str) -> None:
+def _whole_batches(app, channel: Channel, grads: dict, batch: int, reps: int) -> dict:
+    """CPU and wall per update of `reps` full batches through the real applier loop (listing,
+    events and status included)."""
+    cpu, wall, seq = [], [], 0
+    for _ in range(reps):
+        for _ in range(batch):
+            channel.publish_update(2, seq, app.version, grads)
+            seq += 1
+        c0, w0 = time.process_time_ns(), time.perf_counter_ns()
+        applied = app.counts["applied"]
+        app.step()
+        applied = max(1, app.counts["applied"] - applied)
+        cpu.append((time.process_time_ns() - c0) // applied)
+        wall.append((time.perf_counter_ns() - w0) // applied)
+    return {"cpu": _quartiles(cpu), "wall": _quartiles(wall)}
+
+
+def shard_fit(bd: dict) -> dict:
+    """CPU per update of one shard of K, fitted as a + b/K (least squares over the measured K):
+    a is paid per file in every shard, b is the full update's per-byte work, shared out."""
+    ks = sorted(int(k) for k in bd["shard_step_per_update"])
+    cpu = [bd["shard_step_per_update"][k if k in bd["shard_step_per_update"] else str(k)]["cpu"]["median_ms"]
+           for k in ks]
+    a, b = (np.linalg.lstsq(np.array([[1.0, 1.0 / k] for k in ks]), np.array(cpu), rcond=None)[0]
+            if len(ks) > 1 else (0.0, cpu[0]))
+    return {"K": ks, "cpu_ms": cpu, "ratio_to_k1": [c / cpu[0] for c in cpu],
+            "fixed_ms": float(a), "shared_ms": float(b)}
+
+
+def planner_advice(fit: dict, bd: dict, groups: int, max_pending: int | None) -> dict:
+    """hpcdl plan's shard advice for `groups` groups at the paper's cadence, with the applier's
+    costs as measured here: a per file (the planner's per-file latency λ, paid (1 + 1/batch)
+    times per update) and b per full update split into the read (at read + verify's measured
+    rate W, once per update and once per batch for the publish) and the apply (A)."""
+    from hpcdl.perf.planner import PlanInputs, recommend_shards
+
+    m, n = bd["batch"], float(bd["update_bytes"])
+    read_ms = bd["parts"]["read+verify"]["cpu"]["median_ms"]
+    bandwidth = n / (read_ms * 1e-3)
+    apply_s = fit["shared_ms"] * 1e-3 - n * (1 + 1 / m) / bandwidth
+    values = dict(exchange_latency=fit["fixed_ms"] * 1e-3 / (1 + 1 / m), exchange_bandwidth=bandwidth,
+                  applier_bytes_per_s=n / apply_s if apply_s > 0 else float(n / 1e-4),
+                  applier_max_batch=m, max_pending_per_group=max_pending or 0, max_staleness=-1)
+    inputs = PlanInputs.measured_here(1.90e12, batch_per_node=8, exchange_every=1).with_values(
+        "bench/exchange_load.py --breakdown on this machine", **values)
+    advice = recommend_shards(inputs, nodes=groups, groups=groups)
+    return {"inputs": values, "advice": advice.to_dict()}
+
+
+def _breakdown_child(base: str, reps: int, batch: int, fsync: bool, shard_counts: list[int],
+                     pin: set[int] | None, out: str) -> None:
     _pin(pin, "breakdown")
-    result = breakdown_parts(Path(base), reps, batch, fsync)
+    result = breakdown_parts(Path(base), reps, batch, fsync, shard_counts)
     Path(out).write_text(json.dumps(result))
 
 
@@ -650,7 +701,7 @@ def run_breakdown(args, base: Path) -> dict:
     before = machine()
     proc = mp.get_context("fork").Process(target=_breakdown_child,
                                           args=(str(where), args.reps, args.max_batch, args.fsync,
-                                                pin, str(out)))
+                                                sorted(set(args.shards) | {1}), pin, str(out)))
     proc.start()
     proc.join()
     if proc.exitcode != 0 or not out.exists():
@@ -658,6 +709,8 @@ def run_breakdown(args, base: Path) -> dict:
     result = json.loads(out.read_text())
     result.update(cpus=sorted(pin) if pin else None, machine=machine(),
                   load_average_before=before["load_average"])
+    result["shard_fit"] = fit = shard_fit(result)
+    result["planner"] = planner_advice(fit, result, args.groups, args.max_pending)
     return result
 
 
@@ -681,6 +734,16 @@ def show_breakdown(b: dict) -> None:
           f"whole batches of {b['batch']} (events, status, listing included), n={s['n']}")
     print(f"  {'step - parts':16s} {s['median_ms'] - b['sum_of_medians_cpu_ms']:6.2f}  (the listing, "
           f"events.jsonl, status.json, ledger and bookkeeping of a batch, per update)")
+    fit = b["shard_fit"]
+    for k, cpu, ratio in zip(fit["K"], fit["cpu_ms"], fit["ratio_to_k1"]):
+        params = b["shard_step_per_update"][str(k) if str(k) in b["shard_step_per_update"] else k]["params"]
+        print(f"  one shard of K = {k}: {cpu:.2f} ms per update ({ratio:.2f} of K = 1, 1/K = {1 / k:.2f}), "
+              f"its largest piece {params:,} params, whole batches of {b['batch']}")
+    print(f"  fit        {fit['fixed_ms']:.2f} ms per file in every shard + {fit['shared_ms']:.2f} ms / K")
+    adv = b["planner"]["advice"]
+    print(f"  planner    {adv['groups']} groups at the paper's cadence, these costs: K = {adv['shards']} "
+          f"(each shard {100 * adv['applier_utilisation']:.0f} % busy; one applier "
+          f"{100 * adv['one_applier_utilisation']:.0f} %), bound {'met' if adv['met'] else 'NOT met'}")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -255,12 +255,17 @@ def plan_every_text(plan) -> str:
 def plan_shards_text(plan) -> str:
     """exchange.shards for the recommended group count."""
     a = plan.shard_advice
-    verdict = ("the fewest that keep each at most {:.0%} busy".format(plan.max_utilisation) if a.met
-               else "and still above the bound: the per-file costs dominate; raise exchange.every")
+    if a.met:
+        verdict = "the fewest that keep each at most {:.0%} busy".format(plan.max_utilisation)
+    elif a.applier_utilisation > plan.max_utilisation:
+        verdict = "and still above the bound: the per-file costs dominate; raise exchange.every"
+    else:
+        verdict = "but the exchange files take too much of each step; raise exchange.every"
     return (f"exchange.shards = {a.shards} for {a.groups} groups at exchange.every = {a.every}: "
             f"{a.shard_bytes / 1e6:.2f} MB per update per shard, each applier "
             f"{100 * a.applier_utilisation:.0f}% busy (one applier: "
-            f"{100 * a.one_applier_utilisation:.0f}%) — {verdict}")
+            f"{100 * a.one_applier_utilisation:.0f}%), exchange {100 * a.exchange_share:.1f}% of a "
+            f"group's step — {verdict}")
 
 
 def plan_alternative_text(plan) -> str | None:

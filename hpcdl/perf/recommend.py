@@ -426,13 +426,17 @@ class ShardAdvice:
     applier_utilisation: float  # of each shard, at `shards`
     one_applier_utilisation: float  # of a single applier, for comparison
     shard_bytes: float  # of one update, per shard
-    met: bool  # False: even MAX_SHARDS appliers are busier than the bound (per-file costs)
+    exchange_share: float  # of a group's step spent on its exchange files, at `shards`
+    met: bool  # False: the appliers stay busier than the bound, or the groups' exchange share is too large
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
 MAX_SHARDS = 64  # the largest exchange.shards the advice tries
+# Past this share of a group's step in exchange files, a shard more costs every group more than
+# raising exchange.every would: the advice stops adding shards there.
+MAX_SHARDED_EXCHANGE_SHARE = 0.25
 
 
 def recommend_shards(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
@@ -440,26 +444,30 @@ def recommend_shards(inputs: PlanInputs, nodes: int, groups: int, *, seed: int =
                      max_exchange_share: float = MAX_EXCHANGE_SHARE) -> ShardAdvice:
     """Simulate S = 1, 2, ... appliers (each sees every update, 1/S of its bytes) and take the
     fewest whose utilisation is at most `max_utilisation` (the H rule's bound, for the same
-    reason). Every shard costs each group root one file operation more per exchange: once the
-    exchange's share of a group's time exceeds `max_exchange_share` (or its share at one
-    applier, if that is larger) more shards cost the groups more than they give, and the advice
-    is the last S before that, not met."""
-    first = best = None
+    reason: an applier busier than that drops updates to its backlog bound as load varies).
+
+    Every shard costs each group root one file operation more per exchange. An overloaded
+    applier loses updates, which costs the groups more than a few file operations, so shards are
+    added while that lasts, up to MAX_SHARDED_EXCHANGE_SHARE of a group's step; where the per-file
+    costs keep every S above the bound, the advice is the least busy S tried, not met. It is met
+    when the utilisation bound holds and the exchange's share of a group's step is at most
+    max(`max_exchange_share`, its share at one applier)."""
+    first_share = best = None
     for count in range(1, MAX_SHARDS + 1):
-        at = dataclasses.replace(inputs, exchange_shards=count)
-        c = evaluate(at, nodes, groups, seed=seed)
+        c = evaluate(dataclasses.replace(inputs, exchange_shards=count), nodes, groups, seed=seed)
         share = c.exchange_s / c.step_s if c.step_s > 0 else 0.0
-        if first is None:
-            first = (c, share)
-        elif share > max(max_exchange_share, first[1]):
+        if first_share is None:
+            first_share, one = share, c
+        elif share > MAX_SHARDED_EXCHANGE_SHARE:
             break
-        best = (count, c)
+        if best is None or c.applier_utilisation < best[1].applier_utilisation:
+            best = (count, c, share)
         if c.applier_utilisation <= max_utilisation:
             break
-    count, c = best
+    count, c, share = best
+    met = c.applier_utilisation <= max_utilisation and share <= max(max_exchange_share, first_share)
     return ShardAdvice(groups, inputs.exchange_every, count, c.applier_utilisation,
-                       first[0].applier_utilisation, inputs.update_bytes / count,
-                       c.applier_utilisation <= max_utilisation)
+                       one.applier_utilisation, inputs.update_bytes / count, share, met)
 
 
 def paper_check(seed: int = 0, inputs: PlanInputs | None = None) -> dict[str, Any]:

@@ -39,3 +39,24 @@ def test_two_shards_every_update_applied_whole_once_in_each_shard(tmp_path):
         assert r["machine"]["cpu_model"] is not None and len(r["machine"]["load_average"]) == 3
     # the two shards' pieces are the whole model, each tensor once or in row blocks
     assert sum(s["params"] for s in two["per_shard"]) == two["params"]
+
+
+def test_the_breakdown_measures_one_shard_of_each_k_and_the_planner_advises_from_the_fit(tmp_path):
+    out = tmp_path / "bd.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "exchange_load.py"), "--dir", str(tmp_path), "--json", str(out),
+         "--breakdown-only", "--reps", "4", "--max-batch", "4", "--shards", "2", "--no-pin", "--groups", "64"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    bd = json.loads(out.read_text())["breakdown"]
+    shards = bd["shard_step_per_update"]
+    assert sorted(shards) == ["1", "2"]  # K = 1 always, for the ratios
+    assert shards["2"]["params"] < shards["1"]["params"] == 594_178
+    fit = bd["shard_fit"]
+    assert fit["K"] == [1, 2] and fit["ratio_to_k1"][0] == 1.0
+    # two points: the fit passes through both
+    for k, cpu in zip(fit["K"], fit["cpu_ms"]):
+        assert abs(fit["fixed_ms"] + fit["shared_ms"] / k - cpu) < 1e-6
+    advice = bd["planner"]["advice"]
+    assert advice["groups"] == 64 and advice["shards"] >= 1
+    assert "one shard of K = 2" in proc.stdout and "planner    64 groups" in proc.stdout
