@@ -64,14 +64,15 @@ class UpdateRule:
 
         for name, w in weights.items():
             arrays = [w] + [slots[s][name] for s in self.slots]
-            if w.dtype in _COMPILED:
-                flat = [a.reshape(-1) for a in arrays]
-                g = np.ascontiguousarray(update[name], dtype=w.dtype).reshape(-1)
-                self.apply_tensor(kernels, w.dtype.type, *flat, g=g, scale=scale, t=t)
-            else:  # float16 masters: the same kernel on float32 copies, rounded back
-                flat = [a.reshape(-1).astype(np.float32) for a in arrays]
-                g = np.asarray(update[name], dtype=np.float32).reshape(-1)
-                self.apply_tensor(kernels, np.float32, *flat, g=g, scale=scale, t=t)
+            if not all(a.flags.c_contiguous for a in arrays):
+                raise ValueError(f"tensor {name!r}: master weights and slots must be C-contiguous")
+            # float16 masters: the same kernel on float32 copies, rounded back
+            native = w.dtype in _COMPILED
+            work = w.dtype if native else np.dtype(np.float32)
+            flat = [a.reshape(-1) if native else a.reshape(-1).astype(work) for a in arrays]
+            g = np.ascontiguousarray(update[name], dtype=work).reshape(-1)
+            self.apply_tensor(kernels, work.type, *flat, g=g, scale=scale, t=t)
+            if not native:
                 for a, f in zip(arrays, flat):
                     a.reshape(-1)[:] = f
 
