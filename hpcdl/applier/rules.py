@@ -12,8 +12,10 @@ group's pseudo-gradient ``θ_base − θ_local`` after H local steps (DiLoCo), a
 
 * ``sgd``:       w ← w − lr·s·g
 * ``momentum``:  m ← μ·m + s·g;  w ← w − lr·m                                  (heavy ball)
-* ``adam``:      m ← β1·m + (1−β1)·s·g;  v ← β2·v + (1−β2)·(s·g)²;
-                 w ← w − lr·(m / (1−β1^t)) / (√(v / (1−β2^t)) + ε)              (Kingma & Ba)
+* ``adam``:      m ← β1·m + (1−β1)·g;  v ← β2·v + (1−β2)·g²;
+                 w ← w − lr·s·(m / (1−β1^t)) / (√(v / (1−β2^t)) + ε)            (Kingma & Ba)
+                 Adam's step does not change when its gradients are scaled, so here ``s``
+                 scales the step (the learning rate), not ``g``.
 * ``nesterov``:  with delay N (``exchange.momentum_delay``; 0 means N = the number of groups):
                  w ← w − (lr/N)·s·g;  b ← b + s·g;  and when t is a multiple of N:
                  m ← μ·m + b/N;  w ← w − lr·μ·m;  b ← 0.
@@ -104,12 +106,11 @@ class Adam(UpdateRule):
     slots = ("m", "v")
 
     def apply_tensor(self, k, dt, w, m, v, *, g, scale, t):
-        # The textbook step with its scalars folded: lr·m̂/(√v̂ + ε) = (lr·√c2/c1)·m/(√v + ε·√c2),
-        # and s·g enters m and v through their coefficients.
+        # The textbook step with its scalars folded: lr·s·m̂/(√v̂ + ε) = (lr·s·√c2/c1)·m/(√v + ε·√c2)
         p = self.p
         c1, c2 = 1.0 - p.beta1 ** t, 1.0 - p.beta2 ** t
-        k.adam(w, m, v, g, dt(p.beta1), dt(p.beta2), dt((1.0 - p.beta1) * scale),
-               dt((1.0 - p.beta2) * scale * scale), dt(p.lr * c2 ** 0.5 / c1), dt(p.eps * c2 ** 0.5))
+        k.adam(w, m, v, g, dt(p.beta1), dt(p.beta2), dt(1.0 - p.beta1), dt(1.0 - p.beta2),
+               dt(p.lr * scale * c2 ** 0.5 / c1), dt(p.eps * c2 ** 0.5))
 
 
 class Nesterov(UpdateRule):

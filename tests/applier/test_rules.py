@@ -64,6 +64,13 @@ def test_scale_multiplies_the_update():
     assert run_rule("nesterov", [1.0], scales=[0.5], lr=0.1, momentum=0.0) == pytest.approx([0.95])
 
 
+def test_a_scaled_adam_update_takes_a_scaled_step():
+    """Adam's step is blind to a gradient's scale: a downweighted or warming-up update must
+    scale the learning rate instead (1 - 0.1 * 0.5 * 2/(2 + eps) = 0.95)."""
+    assert run_rule("adam", [2.0], scales=[0.5], lr=0.1) == pytest.approx([0.95])
+    assert run_rule("adam", [2.0, 2.0], scales=[1.0, 0.5], lr=0.1) == pytest.approx([0.9, 0.85])
+
+
 def test_rules_keep_zero_dimensional_tensors_arrays():
     for name, cls in UPDATE_RULES.items():
         rule = cls(RuleParams(lr=0.1))
@@ -81,10 +88,10 @@ def reference_step(name: str, p: RuleParams, w, slot: dict, g, scale: float, t: 
         slot["m"][...] = p.momentum * slot["m"] + scale * g
         w -= p.lr * slot["m"]
     elif name == "adam":
-        slot["m"][...] = p.beta1 * slot["m"] + (1 - p.beta1) * scale * g
-        slot["v"][...] = p.beta2 * slot["v"] + (1 - p.beta2) * (scale * g) ** 2
+        slot["m"][...] = p.beta1 * slot["m"] + (1 - p.beta1) * g
+        slot["v"][...] = p.beta2 * slot["v"] + (1 - p.beta2) * g ** 2
         m_hat, v_hat = slot["m"] / (1 - p.beta1 ** t), slot["v"] / (1 - p.beta2 ** t)
-        w -= p.lr * m_hat / (np.sqrt(v_hat) + p.eps)
+        w -= p.lr * scale * m_hat / (np.sqrt(v_hat) + p.eps)
     else:
         n = p.delay
         w -= p.lr * scale / n * g
@@ -167,3 +174,4 @@ def test_an_adaptive_outer_rule_for_deltas_defaults_to_the_groups_rate_and_a_neg
     assert ExchangeConfig(kind="delta", optimizer="adam").applier_learning_rate(1e-3, 2) == 1e-3
     with pytest.raises(JobError, match="emulate.seed"):
         EmulateConfig(enabled=True, seed=-1).validate()
+
