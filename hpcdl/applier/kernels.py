@@ -2,11 +2,10 @@
 
 The rules' formulas are in :mod:`hpcdl.applier.rules`; each kernel here is one of them over flat
 float32 or float64 arrays, element by element, so that the weights, the slots and the update are
-each read and written once. numpy needs about a dozen passes for Adam and spends ~2 ms of the
-applier's ~8 ms per HEP update there; the fused loop takes ~0.3 ms (``bench/exchange_load.py
---breakdown``). ``error_model="numpy"`` lets the loops vectorise (no ZeroDivisionError check);
-``fastmath`` stays off, so each element is rounded as the formula reads. Compiled on first use
-per dtype (about half a second, once per process); nothing is cached on disk.
+each read and written once, where numpy passes over them about a dozen times (figures: README,
+"Appliers and shards"). ``error_model="numpy"`` lets the loops vectorise (no ZeroDivisionError
+check); ``fastmath`` stays off, so each element is rounded as the formula reads. Compiled on
+first use per dtype, once per process; nothing is cached on disk.
 """
 
 from __future__ import annotations

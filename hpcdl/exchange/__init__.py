@@ -1,6 +1,7 @@
 """The asynchronous exchange channel between group roots and the applier (parameter server).
 
-numpy, the stdlib and cryptography (Poly1305). Tensors are ``dict[str, np.ndarray]``. Nothing here imports TensorFlow.
+numpy, the stdlib and cryptography (Poly1305). Tensors are ``dict[str, np.ndarray]``. Nothing
+here imports TensorFlow.
 The file format and its checks are :mod:`.format`, the directory protocol :mod:`.channel` (the
 :class:`Channel`), the partition of the tensors over sharded appliers :mod:`.shards`, and the
 group root's side (publish, adopt, wait) :mod:`.group`. This docstring is the protocol.
@@ -107,10 +108,10 @@ File format (version 1), all integers little-endian
     56+H    P     payload: raw little-endian tensor bytes (writers align each tensor to 64 bytes)
 
 Header fields: ``run_id`` (str), ``kind`` ("update" | "weights" | "init" | "state"), ``tag_alg``
-("sha256" | "poly1305" | "hmac-sha256"), ``created`` (unix time, float), ``group``, ``seq``, ``base_version``,
-``version`` (int or null; which are required depends on the kind: update needs group, seq,
-base_version; weights and state need version; init needs group), ``meta`` (a JSON object for the
-writer's own use; the applier's state keeps its counters there), and ``tensors``: a list of
+("sha256" | "poly1305" | "hmac-sha256"), ``created`` (unix time, float), ``group``, ``seq``,
+``base_version``, ``version`` (int or null; which are required depends on the kind: update needs
+group, seq, base_version; weights and state need version; init needs group), ``meta`` (a JSON
+object for the writer's own use; the applier's state keeps its counters there), and ``tensors``: a list of
 ``{"name", "dtype", "shape", "offset", "nbytes"}`` with offsets relative to the payload start.
 
 Only numeric dtypes are allowed, written as little-endian numpy dtype strings: ``|b1``, ``|i1``,
