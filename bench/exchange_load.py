@@ -8,8 +8,8 @@ master weights when there is a newer one) at the paper's cadence, against K real
 (``exchange.shards = K``: the tensors partitioned by bytes, :class:`hpcdl.exchange.shards.Partition`;
 each applier starts from its shard's part of the initial weights), for a fixed time; then the
 publishers stop and the appliers drain what is pending (bounded by --drain). Everything goes
-through real files in one exchange directory per shard, authenticated with a per-run key (Poly1305 tags) as
-a run's channels are. ``--shards 1,2,4`` (the default) repeats the run for each K.
+through real files in one exchange directory per shard, tagged under a per-run key (Poly1305) as a
+run's channels are. ``--shards 1,2,4`` (the default) repeats the run for each K.
 
 Cadence (the paper's HEP run, Kurth et al. SC17, as hpcdl.perf.planner recalls it): every group
 step publishes one update; a step computes 8 examples x 15.43 GFLOP at 1.90 TFLOP/s = 65 ms, so a
@@ -554,8 +554,9 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts
     """Time the parts of one full HEP update as the applier does them, in this process.
 
     The parts: read + verify (Channel.read_update: open, read, the keyed tag, header checks), the
-    finite check, Adam (hpcdl.applier.rules.Adam.apply: the compiled kernel on weights and two slots), the state save
-    and the weights publish (once per batch of `batch`: amortised), the unlink of the update file;
+    finite check, Adam (hpcdl.applier.rules.Adam.apply: the compiled kernel on weights and two
+    slots), the state save and the weights publish (once per batch of `batch`: amortised), the
+    unlink of the update file;
     then whole applier batches (Applier.step on `batch` pending updates, events and status
     included) for comparison with the sum of the parts, and the same for one shard of each K in
     `shard_counts` (its largest piece of the partition).
@@ -617,8 +618,8 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts
 
         whole = _whole_batches(app, app_ch, grads, batch, slow)
     # The same whole batches for one shard of K: the largest piece of the partition, its own applier.
-    per_shard = {}
-    for k in shard_counts:
+    per_shard = {1: dict(whole, params=HEP_PARAMS)}
+    for k in (k for k in shard_counts if k > 1):
         pieces = partition_of(shapes, k).split(grads)
         piece = max(pieces, key=lambda t: sum(a.nbytes for a in t.values()))
         shard_ch = Channel(base / f"shard-of-{k}", RUN_ID, signer=Signer(key), fsync=fsync)
@@ -655,9 +656,8 @@ def _whole_batches(app, channel: Channel, grads: dict, batch: int, reps: int) ->
 def shard_fit(bd: dict) -> dict:
     """CPU per update of one shard of K, fitted as a + b/K (least squares over the measured K):
     a is paid per file in every shard, b is the full update's per-byte work, shared out."""
-    ks = sorted(int(k) for k in bd["shard_step_per_update"])
-    cpu = [bd["shard_step_per_update"][k if k in bd["shard_step_per_update"] else str(k)]["cpu"]["median_ms"]
-           for k in ks]
+    ks = sorted(int(k) for k in bd["shard_step_per_update"])  # JSON keys
+    cpu = [bd["shard_step_per_update"][str(k)]["cpu"]["median_ms"] for k in ks]
     a, b = (np.linalg.lstsq(np.array([[1.0, 1.0 / k] for k in ks]), np.array(cpu), rcond=None)[0]
             if len(ks) > 1 else (0.0, cpu[0]))
     return {"K": ks, "cpu_ms": cpu, "ratio_to_k1": [c / cpu[0] for c in cpu],
@@ -674,9 +674,9 @@ def planner_advice(fit: dict, bd: dict, groups: int, max_pending: int | None) ->
     m, n = bd["batch"], float(bd["update_bytes"])
     read_ms = bd["parts"]["read+verify"]["cpu"]["median_ms"]
     bandwidth = n / (read_ms * 1e-3)
-    apply_s = fit["shared_ms"] * 1e-3 - n * (1 + 1 / m) / bandwidth
+    apply_s = max(fit["shared_ms"] * 1e-3 - n * (1 + 1 / m) / bandwidth, 1e-6)  # > 0 if noise says not
     values = dict(exchange_latency=fit["fixed_ms"] * 1e-3 / (1 + 1 / m), exchange_bandwidth=bandwidth,
-                  applier_bytes_per_s=n / apply_s if apply_s > 0 else float(n / 1e-4),
+                  applier_bytes_per_s=n / apply_s,
                   applier_max_batch=m, max_pending_per_group=max_pending or 0, max_staleness=-1)
     inputs = PlanInputs.measured_here(1.90e12, batch_per_node=8, exchange_every=1).with_values(
         "bench/exchange_load.py --breakdown on this machine", **values)
@@ -736,7 +736,7 @@ def show_breakdown(b: dict) -> None:
           f"events.jsonl, status.json, ledger and bookkeeping of a batch, per update)")
     fit = b["shard_fit"]
     for k, cpu, ratio in zip(fit["K"], fit["cpu_ms"], fit["ratio_to_k1"]):
-        params = b["shard_step_per_update"][str(k) if str(k) in b["shard_step_per_update"] else k]["params"]
+        params = b["shard_step_per_update"][str(k)]["params"]
         print(f"  one shard of K = {k}: {cpu:.2f} ms per update ({ratio:.2f} of K = 1, 1/K = {1 / k:.2f}), "
               f"its largest piece {params:,} params, whole batches of {b['batch']}")
     print(f"  fit        {fit['fixed_ms']:.2f} ms per file in every shard + {fit['shared_ms']:.2f} ms / K")
