@@ -48,11 +48,3 @@ def nesterov_arrival(w, b, g, step, scale):
         w[i] -= step * g[i]
         b[i] += scale * g[i]
 
-
-@_jit
-def nesterov_momentum(w, m, b, mu, inv_n, lr_mu):
-    for i in range(w.size):
-        mi = mu * m[i] + inv_n * b[i]
-        m[i] = mi
-        w[i] -= lr_mu * mi
-        b[i] = 0

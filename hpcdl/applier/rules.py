@@ -122,7 +122,9 @@ class Nesterov(UpdateRule):
         n = max(1, p.delay)
         k.nesterov_arrival(w, b, g, dt(p.lr * scale / n), dt(scale))
         if t % n == 0:
-            k.nesterov_momentum(w, m, b, dt(p.momentum), dt(1.0 / n), dt(p.lr * p.momentum))
+            # the momentum step on the arrivals' mean b/N (heavy ball's kernel), then a new round
+            k.momentum(w, m, b, dt(p.momentum), dt(1.0 / n), dt(p.lr * p.momentum))
+            b.fill(0)
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {r.name: r for r in (Sgd, Momentum, Adam, Nesterov)}
