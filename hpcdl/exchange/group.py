@@ -55,24 +55,26 @@ def run_channel(run: RunDir, job, *, shard: int = 0, create: bool = True, **kwar
                    access=run.access(job), **kwargs)
 
 
-def record_partition(run: RunDir, job, partition: Partition, *, check_only: bool = False) -> None:
-    """Write the run's partition, or check that the recorded one is this one (one line if not)."""
+def record_partition(run: RunDir, job, partition: Partition, *, check_only: bool = False) -> Partition:
+    """The run's partition: the recorded one when it cuts the same tensors into as many shards
+    (a run keeps the layout it started with, whichever version of hpcdl computed it), else
+    ``partition``, written unless ``check_only``. Another K or another model: one line."""
     path = run.partition_file(job)
     try:
         recorded = Partition.from_json(path.read_bytes())
     except FileNotFoundError:
-        if check_only:
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Every root computes the same partition from the same model and K: a race writes equal bytes.
-        atomic_write_bytes(path, partition.to_json(), access=run.access(job))
-        return
+        if not check_only:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # Every root computes the same partition from the same model and K: a race writes equal bytes.
+            atomic_write_bytes(path, partition.to_json(), access=run.access(job))
+        return partition
     except ValueError as exc:
         raise PartitionMismatch(f"{path}: {exc}") from None
-    if recorded != partition:
+    if recorded.count != partition.count or recorded.tensors != partition.tensors:
         raise PartitionMismatch(
             f"this run's exchange is partitioned over {recorded.count} shard(s) of another layout "
             f"({path}); exchange.shards = {partition.count} and this model do not match it")
+    return recorded
 
 
 Arrays = dict[str, np.ndarray]
@@ -88,7 +90,7 @@ class ExchangeSync:
                  initial_wait_s: float = INITIAL_WAIT_S, report: StorageReport | None = None, *,
                  kind: str = "gradient", max_outstanding: int = 0, reply_timeout_s: float = 60.0,
                  delta_dtype: str = "float32",
-                 on_partition: Callable[[Partition], None] | None = None):
+                 on_partition: Callable[[Partition], Partition] | None = None):
         self.channels = [channels] if isinstance(channels, Channel) else list(channels)
         self.group = group
         self.every = every
@@ -98,7 +100,7 @@ class ExchangeSync:
         self.delta_dtype = np.dtype(delta_dtype)
         self.initial_wait_s = initial_wait_s
         self.report = report
-        self.on_partition = on_partition  # records the partition in the run (several shards)
+        self.on_partition = on_partition  # several shards: records this partition, or returns the run's
         self.partition: Partition | None = None  # made from the model at initial_weights()
         shards = len(self.channels)
         self.versions = [-1] * shards  # each shard's master version our part derives from; -1: ours
@@ -147,7 +149,7 @@ class ExchangeSync:
         start = time.perf_counter()
         self.partition = Partition.balanced(names_and_values, len(self.channels))
         if self.on_partition is not None:
-            self.on_partition(self.partition)
+            self.partition = self.on_partition(self.partition)
         own = self.partition.split(names_and_values)
         for k, ch in enumerate(self.channels):
             latest = ch.read_latest_weights()
@@ -335,7 +337,7 @@ def adopt_master_weights(run: RunDir, job, model) -> int | None:
     partition = Partition.balanced({n: ((tuple(v.shape)), np.dtype(v.dtype.as_numpy_dtype).str)
                                     for n, v in variables.items()}, job.exchange.shard_count)
     if partition.count > 1:
-        record_partition(run, job, partition, check_only=True)  # another layout: refused, not mixed
+        partition = record_partition(run, job, partition, check_only=True)  # another K: refused, not mixed
     parts, versions = [], []
     for k in range(partition.count):
         try:

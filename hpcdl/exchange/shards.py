@@ -1,8 +1,14 @@
 """The partition of a model's tensors over ``exchange.shards`` appliers (see the protocol docstring).
 
-A *piece* is a whole tensor or a block of its rows ``[start, stop)`` along the first axis; a
-shard's pieces are one contiguous run of the model's tensors (see :meth:`Partition.balanced`), so
-a shard's update stays a handful of large arrays and no shard holds much more than its share.
+A *piece* is a whole tensor or a block of its rows ``[start, stop)``; a shard's pieces are one
+contiguous run of the model's tensors (see :meth:`Partition.balanced`), so a shard's update stays
+a handful of large arrays and no shard holds much more than its share.
+
+A tensor's *rows* are the elements of all its axes but the last, the tensor seen as a matrix
+(a 3×3×128×128 convolution kernel has 1152 rows of 128): a piece is then a contiguous view, and
+a cut can fall within a row of 128 values of the share, where a kernel's first axis of 3 would
+leave shards a third of a tensor apart. Partitions recorded in format 1 cut the first axis
+instead; they stay readable, and a run keeps the layout it recorded.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 import numpy as np
 
 Arrays = dict[str, np.ndarray]
-PARTITION_FORMAT = 1
+PARTITION_FORMAT = 2  # 1: rows along the first axis (runs recorded before format 2)
 EDGE_SLACK = 0.05  # a cut moves to a tensor's edge when that unbalances a shard by less than this
 
 
@@ -39,6 +45,7 @@ class Piece:
 class Partition:
     tensors: dict[str, tuple[tuple[int, ...], str]]  # name -> (shape, numpy dtype string)
     shards: tuple[tuple[Piece, ...], ...]
+    format: int = PARTITION_FORMAT
 
     @property
     def count(self) -> int:
@@ -56,12 +63,13 @@ class Partition:
             raise ValueError(f"exchange.shards must be at least 1, got {count}")
         specs = {n: ((tuple(np.shape(v)), np.asarray(v).dtype.str) if hasattr(v, "dtype")  # numpy scalars too
                      else (tuple(v[0]), np.dtype(v[1]).str)) for n, v in tensors.items()}
-        share = sum(_rows_of(s) * _row_bytes(s) for s in specs.values()) / count
+        fmt = PARTITION_FORMAT
+        share = sum(_rows_of(s, fmt) * _row_bytes(s, fmt) for s in specs.values()) / count
         slack = EDGE_SLACK * share
         dealt: list[list[Piece]] = [[] for _ in range(count)]
         shard, filled = 0, 0.0
         for name, spec in specs.items():
-            rows, per_row = _rows_of(spec), _row_bytes(spec)
+            rows, per_row = _rows_of(spec, fmt), _row_bytes(spec, fmt)
             start = 0
             while start < rows or (rows == 0 and start == 0):
                 room = (shard + 1) * share - filled if shard < count - 1 else math.inf
@@ -78,18 +86,22 @@ class Partition:
         if any(not pieces for pieces in dealt):
             raise ValueError(f"exchange.shards = {count}: this model's tensors cannot give every "
                              f"shard a part")
-        return cls(specs, tuple(tuple(pieces) for pieces in dealt))
+        return cls(specs, tuple(tuple(pieces) for pieces in dealt), fmt)
 
     def shard_bytes(self) -> list[int]:
         out = []
         for pieces in self.shards:
-            out.append(sum(_rows(p, self.tensors) * _row_bytes(self.tensors[p.tensor]) for p in pieces))
+            out.append(sum(self._rows(p) * _row_bytes(self.tensors[p.tensor], self.format) for p in pieces))
         return out
 
     def split(self, tensors: Arrays) -> list[Arrays]:
         """One dict per shard, keyed by piece; row blocks are views, not copies."""
-        return [{p.key: tensors[p.tensor] if p.stop is None else np.asarray(tensors[p.tensor])[p.start:p.stop]
+        return [{p.key: tensors[p.tensor] if p.stop is None else self._as_rows(tensors[p.tensor])[p.start:p.stop]
                  for p in pieces} for pieces in self.shards]
+
+    def _as_rows(self, tensor: np.ndarray) -> np.ndarray:
+        arr = np.asarray(tensor)
+        return arr.reshape(math.prod(arr.shape[:-1]), arr.shape[-1]) if self.format >= 2 and arr.ndim > 2 else arr
 
     def join(self, parts: list[Arrays]) -> Arrays:
         """The whole tensors from every shard's pieces (``split``'s inverse)."""
@@ -100,13 +112,15 @@ class Partition:
         out = {}
         for name in self.tensors:
             found = sorted(blocks[name], key=lambda b: b[0])
-            out[name] = found[0][1] if len(found) == 1 else np.concatenate([b for _, b in found])
+            whole = found[0][1] if len(found) == 1 else np.concatenate([b for _, b in found])
+            shape = self.tensors[name][0]
+            out[name] = whole if np.shape(whole) == shape else np.reshape(whole, shape)
         return out
 
     # -- the run's record ----------------------------------------------------------------------
     def to_json(self) -> bytes:
         return json.dumps({
-            "format": PARTITION_FORMAT,
+            "format": self.format,
             "tensors": {n: {"shape": list(s), "dtype": d} for n, (s, d) in self.tensors.items()},
             "shards": [[[p.tensor, p.start, p.stop] for p in pieces] for pieces in self.shards],
         }, indent=1).encode()
@@ -116,15 +130,16 @@ class Partition:
         """Parse and check a recorded partition; ValueError with one line if it is not one."""
         try:
             doc = json.loads(data)
-            if doc.get("format") != PARTITION_FORMAT:
-                raise ValueError(f"format {doc.get('format')!r}")
+            fmt = doc.get("format")
+            if fmt not in (1, PARTITION_FORMAT):
+                raise ValueError(f"format {fmt!r}")
             tensors = {str(n): (tuple(int(x) for x in t["shape"]), str(np.dtype(t["dtype"]).str))
                        for n, t in doc["tensors"].items()}
             shards = tuple(tuple(Piece(str(t), int(a), None if b is None else int(b)) for t, a, b in pieces)
                            for pieces in doc["shards"])
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise ValueError(f"not an hpcdl partition ({exc})") from None
-        partition = cls(tensors, shards)
+        partition = cls(tensors, shards, fmt)
         partition._check()
         return partition
 
@@ -137,10 +152,10 @@ class Partition:
             for p in pieces:
                 if p.tensor not in covered:
                     raise ValueError(f"not an hpcdl partition (unknown tensor {p.tensor!r})")
-                covered[p.tensor].append((p.start, _rows(p, self.tensors) + p.start))
+                covered[p.tensor].append((p.start, self._rows(p) + p.start))
         for name, spans in covered.items():
             spans.sort()
-            rows = self.tensors[name][0][0] if self.tensors[name][0] else 1
+            rows = _rows_of(self.tensors[name], self.format)
             contiguous = spans and spans[0][0] == 0 and spans[-1][1] == rows and all(
                 a[1] == b[0] for a, b in zip(spans, spans[1:]))
             if not contiguous:
@@ -151,16 +166,20 @@ class Partition:
                 "pieces": [len(pieces) for pieces in self.shards]}
 
 
-def _row_bytes(spec: tuple[tuple[int, ...], str]) -> int:
+    def _rows(self, piece: Piece) -> int:
+        if piece.stop is None:
+            return _rows_of(self.tensors[piece.tensor], self.format)
+        return piece.stop - piece.start
+
+
+def _row_bytes(spec: tuple[tuple[int, ...], str], fmt: int) -> int:
     shape, dtype = spec
-    return math.prod(shape[1:]) * np.dtype(dtype).itemsize
+    row = shape[-1:] if fmt >= 2 and len(shape) > 2 else shape[1:]
+    return math.prod(row) * np.dtype(dtype).itemsize
 
 
-def _rows_of(spec: tuple[tuple[int, ...], str]) -> int:
-    return spec[0][0] if spec[0] else 1
-
-
-def _rows(piece: Piece, specs) -> int:
-    if piece.stop is None:
-        return _rows_of(specs[piece.tensor])
-    return piece.stop - piece.start
+def _rows_of(spec: tuple[tuple[int, ...], str], fmt: int) -> int:
+    shape = spec[0]
+    if fmt >= 2 and len(shape) > 2:
+        return math.prod(shape[:-1])
+    return shape[0] if shape else 1

@@ -39,6 +39,36 @@ def test_shards_are_balanced_by_bytes_and_a_big_tensor_is_split_by_rows():
     assert all(pc.stop is not None for pcs in p.shards for pc in pcs if pc.tensor == "fc")
 
 
+def test_a_kernels_rows_are_its_leading_axes_so_shards_balance_within_a_row():
+    # a 3x3x64x16 kernel: the first axis would cut in thirds; its 576 rows of 16 values do not
+    kernel = np.arange(3 * 3 * 64 * 16, dtype=np.float32).reshape(3, 3, 64, 16)
+    tensors = {"w": kernel, "b": np.ones(16, np.float32)}
+    for count in (2, 4, 5, 8):
+        p = Partition.balanced(tensors, count)
+        sizes = p.shard_bytes()
+        assert max(sizes) - min(sizes) <= 2 * 16 * 4 + 64, (count, sizes)  # within ~a row of the share
+        parts = p.split(tensors)
+        assert all(np.shares_memory(v, kernel) for part in parts for k, v in part.items() if k.startswith("w@"))
+        np.testing.assert_array_equal(p.join(parts)["w"], kernel)
+
+
+def test_a_run_keeps_the_first_axis_layout_it_recorded_in_format_1(tmp_path):
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"', "exchange.shards=2"])
+    with create_run(job, "local") as (_, run):
+        pass
+    kernel = np.arange(4 * 3 * 2 * 2, dtype=np.float32).reshape(4, 3, 2, 2)
+    old = {"format": 1, "tensors": {"w": {"shape": [4, 3, 2, 2], "dtype": F4}},
+           "shards": [[["w", 0, 2]], [["w", 2, 4]]]}
+    run.partition_file(job).parent.mkdir(parents=True, exist_ok=True)
+    run.partition_file(job).write_text(json.dumps(old))
+    kept = record_partition(run, job, Partition.balanced({"w": kernel}, 2))
+    assert kept.format == 1 and kept.shards == ((Piece("w", 0, 2),), (Piece("w", 2, 4),))
+    parts = kept.split({"w": kernel})
+    assert [part["w@0:2"].shape for part in parts[:1]] == [(2, 3, 2, 2)]
+    np.testing.assert_array_equal(kept.join(parts)["w"], kernel)
+    assert json.loads(run.partition_file(job).read_text()) == old  # the record is left as it was
+
+
 def test_a_cut_near_a_tensor_edge_keeps_the_tensor_whole():
     # two tensors of 1000 and 1040 bytes over 2 shards: the share (1020) falls 2 % inside the second
     p = Partition.balanced(shapes(a=(250,), b=(260,)), 2)
@@ -76,7 +106,7 @@ def test_a_recorded_partition_round_trips_and_a_tampered_one_is_refused():
     doc["shards"][0][0][2] -= 1  # a row of w in no shard
     with pytest.raises(ValueError, match="covered exactly once"):
         Partition.from_json(json.dumps(doc).encode())
-    for bad in (b"", b"\x80\x04pickle", b"[]", b'{"format": 2}'):
+    for bad in (b"", b"\x80\x04pickle", b"[]", b'{"format": 2}', b'{"format": 3, "tensors": {}, "shards": []}'):
         with pytest.raises(ValueError, match="not an hpcdl partition"):
             Partition.from_json(bad)
 
