@@ -536,6 +536,8 @@ def sustained_run(b: Bench, files: dict[str, Path], precision: str) -> None:
         *data_sets(files), f"train.steps={steps}", f"train.batch_per_rank={batch}",
         f"train.log_every={log_every}", f"train.checkpoint_every={steps}", "data.chunk_events=256",
         f'tuning.precision="{precision}"',
+        # training's rate: one validation is much of a 16-step run, little of a real one
+        "train.validate_every=0",
     ], watch=cpu)
     wall = time.time() - t0
     cores = b.data.get("tf_default", {}).get("intra_op") or os.cpu_count() or 1

@@ -215,7 +215,12 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             validation_due = validation_due or current % validate_every == 0
             adopted_now = not exchange or adopt
             if (validation_due and adopted_now) or current == job.train.steps:
+                began = time.perf_counter()
                 validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
+                # The window's rates are the training steps': scoring is rank 0's own uncounted
+                # work, reported as its own time (the run's sustained rate still pays it).
+                validation["val_time_s"] = time.perf_counter() - began
+                window_start += validation["val_time_s"]
                 if exchange and adopted_now:  # at the last step, maybe the group's own weights
                     validation["val_master_version"] = sync.stats().get("exchange_version")
                 validation_due = False
