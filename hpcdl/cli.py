@@ -243,7 +243,7 @@ def cancel(run, runs_dir):
 def logs(run, runs_dir, group, rank, applier, follow):
     """Print a run's log files (default: the newest run under --runs-dir): every rank's, the
     applier's, the local supervisor's and SLURM's output files, each under a ==> path <== header."""
-    from hpcdl.logs import select, stream
+    from hpcdl.logs import select, stream, until_signalled
     from hpcdl.runs import find_run
 
     run_dir = find_run(run, runs_dir)
@@ -254,9 +254,11 @@ def logs(run, runs_dir, group, rank, applier, follow):
     if not files and not follow:
         err.print(f"no log files yet in {run_dir.root}")
         return
+    keep_going = until_signalled() if follow else (lambda: False)
     try:
-        stream(lambda: select(run_dir, group, rank, applier)[0], click.get_binary_stream("stdout"), follow=follow)
-    except KeyboardInterrupt:
+        stream(lambda: select(run_dir, group, rank, applier)[0], click.get_binary_stream("stdout"),
+               follow=follow, keep_going=keep_going)
+    except KeyboardInterrupt:  # a long print without --follow
         pass
 
 

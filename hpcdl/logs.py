@@ -10,6 +10,7 @@ on the local backend; under SLURM a group's ranks share their element's output f
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 from typing import BinaryIO, Callable
@@ -93,6 +94,16 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
+
+
+def until_signalled() -> Callable[[], bool]:
+    """A ``keep_going`` for :func:`stream` that turns false once SIGINT or SIGTERM arrives: a flag
+    read between polls, so the signal never interrupts a write half done (as KeyboardInterrupt
+    would, anywhere) and the loop ends at its next poll."""
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: received.append(signum))
+    return lambda: not received
 
 
 def stream(find: Callable[[], list[Path]], out: BinaryIO, follow: bool = False, interval: float = 0.5,
