@@ -63,6 +63,13 @@ class Workload(ABC):
     def build_model(self, model_config, input_shape: tuple[int, ...], seed: int, compute_dtype: str = "float32"):
         """A fresh model (see `Model`) computing in `compute_dtype` (one of `compute_dtypes`)."""
 
+    def network_cost(self, job) -> tuple[float, int]:
+        """(training FLOPs per example, parameters) of the job's network at its data's input shape,
+        for the planner; this builds the model (TensorFlow). Unreadable data: DataFileError/OSError."""
+        model = self.build_model(job.model, self.input_shape(job), seed=0)
+        params = sum(int(v.shape.num_elements()) for _, v in model.named_variables())
+        return float(model.flops().training), params
+
     @abstractmethod
     def train_batches(self, job, stats: dict[str, Any], shard: int, shards: int, seed: int) -> Iterator[tuple]:
         """Endless training batches of one shard, as tuples of numpy arrays for `loss`."""

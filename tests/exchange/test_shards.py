@@ -243,6 +243,31 @@ def test_submit_resolves_auto_and_the_local_dry_run_lists_one_applier_per_shard(
     assert [c[c.index("--shard") + 1] if "--shard" in c else "0" for c in appliers] == ["0", "1", "2"]
 
 
+def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
+    """The planner's bytes and FLOPs are the job's network at its data's size (climate too), or
+    the HEP network at 224², said, when the data cannot be read at submit."""
+    from hpcdl.submit import prepare
+    from hpcdl.workloads import get_workload
+    from hpcdl.workloads.climate.generate import generate
+
+    base = [f'run.runs_dir="{tmp_path}"', "run.backend=local", "run.nodes=4", "run.group_size=1",
+            'exchange.shards="auto"']
+    climate = generate(tmp_path / "climate", 20, height=32, width=48, labelled_fraction=0.5, seed=1)
+    cases = {"hep": [f'data.train="{hep_files["train"]}"', f'data.test="{hep_files["test"]}"',
+                     f'data.val="{hep_files["test"]}"', "model.filters=8", "model.conv_layers=2"],
+             "climate": [f'data.train="{climate["train"]}"', f'data.val="{climate["val"]}"',
+                         f'data.test="{climate["test"]}"', "model.filters=[8, 16]", "model.grid_convs=1"]}
+    for workload, data in cases.items():
+        notes = []
+        prepared = prepare(workload, base + data, cluster={"cores": 64}, on_note=notes.append)
+        _, params = get_workload(workload).network_cost(prepared.job)
+        assert any(f"the {workload} network's {params:,} parameters" in n for n in notes), notes
+    notes = []
+    prepare("climate", base + ["run.check_data=false", 'data.train="/nonexistent/train.h5"'],
+            cluster={"cores": 64}, on_note=notes.append)
+    assert any("the HEP network at 224² (data.train not readable here)" in n for n in notes), notes
+
+
 @pytest.mark.parametrize("value", ["0", "-1", "257", "1.5", "true", '"many"'])
 def test_a_bad_shard_count_is_one_line(tmp_path, value):
     done = subprocess.run([HPCDL, "submit", "hep", "--dry-run", "--set", f"exchange.shards={value}",
