@@ -68,7 +68,7 @@ AUTO_SHARDS_NODE_FLOPS = 1.9e12
 
 def resolve_shards(job: Job) -> tuple[Job, str]:
     """exchange.shards = "auto": the planner's recommendation for this job's groups and H."""
-    from hpcdl.perf.planner import PlanInputs, job_exchange_values, recommend_shards
+    from hpcdl.perf.planner import MAX_APPLIER_UTILISATION, PlanInputs, job_exchange_values, recommend_shards
 
     groups = job.run.groups
     if not job.exchange.active(groups):
@@ -89,6 +89,9 @@ def resolve_shards(job: Job) -> tuple[Job, str]:
         shards = advice.shards
         why = (f"each applier {advice.applier_utilisation:.0%} busy by hpcdl plan's model for {sized} at an "
                f"assumed {AUTO_SHARDS_NODE_FLOPS / 1e12:g} TFLOP/s per node; `hpcdl plan` measures")
+        if advice.applier_utilisation > MAX_APPLIER_UTILISATION:
+            why += (f"; above the {MAX_APPLIER_UTILISATION:.0%} bound, and more shards would cost the groups "
+                    f"more in exchange files than they save: a larger exchange.every lightens the appliers")
     job = job.replace(exchange=dataclasses.replace(job.exchange, shards=shards))
     return job, f"exchange.shards: {shards} ({why})"
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -262,6 +263,9 @@ def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
         prepared = prepare(workload, base + data, cluster={"cores": 64}, on_note=notes.append)
         _, params = get_workload(workload).network_cost(prepared.job)
         assert any(f"the {workload} network's {params:,} parameters" in n for n in notes), notes
+        (note,) = [n for n in notes if n.startswith("exchange.shards:")]
+        busy = int(re.search(r"each applier (\d+)% busy", note).group(1))
+        assert ("above the 50% bound" in note) == (busy > 50), note  # tiny nets: steps too short to shard
     notes = []
     prepare("climate", base + ["run.check_data=false", 'data.train="/nonexistent/train.h5"'],
             cluster={"cores": 64}, on_note=notes.append)
