@@ -66,10 +66,11 @@ its leading axes; a row is its last axis) where a cut falls inside it (a piece i
 ``<tensor>@<start>:<stop>`` in the files). A group root sends each shard its pieces of every
 update under the same ``(group, seq)``, each tagged with the version of *that* shard its weights
 came from, so staleness is measured per shard; it adopts each shard's newest version as it
-appears and trains on the pieces joined. The first group root records the partition in
-``partition.json``; every later root, restart, resume or evaluation uses the recorded one, and
-another K or another model is refused rather than mixed. The record is data (JSON, no code),
-checked on read: every row of every tensor in exactly one piece.
+appears and trains on the pieces joined. Every group root computes the partition from its
+model and K and writes it to ``partition.json`` or checks it against the recorded one, so a
+restart, a resume or an evaluation with another K or another model is refused rather than mixed;
+the record is a check, never an instruction (JSON, no code). A record of format 1 (rows along the
+first axis, before format 2) is checked against format 1's cut of the same model and K, and kept.
 Each shard's exactly-once ledger, staleness bound and backlog bound act on its own: under
 overload an update may be applied in some shards and dropped in others, as the paper's
 per-layer servers took each layer's gradient on its own. With K = 1 the exchange directory is

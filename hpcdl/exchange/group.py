@@ -56,9 +56,9 @@ def run_channel(run: RunDir, job, *, shard: int = 0, create: bool = True, **kwar
 
 
 def record_partition(run: RunDir, job, partition: Partition, *, check_only: bool = False) -> Partition:
-    """The run's partition: the recorded one when it cuts the same tensors into as many shards
-    (a run keeps the layout it started with, whichever version of hpcdl computed it), else
-    ``partition``, written unless ``check_only``. Another K or another model: one line."""
+    """The run's partition: ``partition``, written unless ``check_only``, or the one the run
+    recorded, if it is what this model and K give in the recorded format (a run keeps the layout
+    it started with across versions of hpcdl). Anything else, one line."""
     path = run.partition_file(job)
     try:
         recorded = Partition.from_json(path.read_bytes())
@@ -70,7 +70,9 @@ def record_partition(run: RunDir, job, partition: Partition, *, check_only: bool
         return partition
     except ValueError as exc:
         raise PartitionMismatch(f"{path}: {exc}") from None
-    if recorded.count != partition.count or recorded.tensors != partition.tensors:
+    expected = (partition if recorded.format == partition.format
+                else Partition.balanced(partition.tensors, partition.count, recorded.format))
+    if recorded != expected:
         raise PartitionMismatch(
             f"this run's exchange is partitioned over {recorded.count} shard(s) of another layout "
             f"({path}); exchange.shards = {partition.count} and this model do not match it")

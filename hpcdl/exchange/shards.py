@@ -52,18 +52,20 @@ class Partition:
         return len(self.shards)
 
     @classmethod
-    def balanced(cls, tensors: Arrays | dict[str, tuple[tuple[int, ...], str]], count: int) -> "Partition":
+    def balanced(cls, tensors: Arrays | dict[str, tuple[tuple[int, ...], str]], count: int,
+                 fmt: int = PARTITION_FORMAT) -> "Partition":
         """Deal ``tensors`` (arrays, or name -> (shape, dtype)) to ``count`` shards by bytes.
 
         The tensors, in model order, are laid end to end and cut into ``count`` runs of equal
-        bytes; a cut that falls inside a tensor splits it between rows, unless moving the cut to
-        the tensor's edge costs less than ``EDGE_SLACK`` of a share.
+        bytes; a cut that falls inside a tensor splits it between rows (of format ``fmt``), unless
+        moving the cut to the tensor's edge costs less than ``EDGE_SLACK`` of a share.
         """
         if count < 1:
             raise ValueError(f"exchange.shards must be at least 1, got {count}")
         specs = {n: ((tuple(np.shape(v)), np.asarray(v).dtype.str) if hasattr(v, "dtype")  # numpy scalars too
                      else (tuple(v[0]), np.dtype(v[1]).str)) for n, v in tensors.items()}
-        fmt = PARTITION_FORMAT
+        if fmt not in (1, PARTITION_FORMAT):
+            raise ValueError(f"partition format {fmt!r}")
         share = sum(_rows_of(s, fmt) * _row_bytes(s, fmt) for s in specs.values()) / count
         slack = EDGE_SLACK * share
         dealt: list[list[Piece]] = [[] for _ in range(count)]

@@ -68,6 +68,10 @@ def test_a_run_keeps_the_first_axis_layout_it_recorded_in_format_1(tmp_path):
     assert [part["w@0:2"].shape for part in parts[:1]] == [(2, 3, 2, 2)]
     np.testing.assert_array_equal(kept.join(parts)["w"], kernel)
     assert json.loads(run.partition_file(job).read_text()) == old  # the record is left as it was
+    # a valid layout of the same tensors that neither format cuts: refused, not followed
+    run.partition_file(job).write_text(json.dumps({**old, "shards": [[["w", 0, 1]], [["w", 1, 4]]]}))
+    with pytest.raises(PartitionMismatch, match="another layout"):
+        record_partition(run, job, Partition.balanced({"w": kernel}, 2))
 
 
 def test_a_cut_near_a_tensor_edge_keeps_the_tensor_whole():
