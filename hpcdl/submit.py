@@ -90,8 +90,8 @@ def resolve_shards(job: Job) -> tuple[Job, str]:
         why = (f"each applier {advice.applier_utilisation:.0%} busy by hpcdl plan's model for {sized} at an "
                f"assumed {AUTO_SHARDS_NODE_FLOPS / 1e12:g} TFLOP/s per node; `hpcdl plan` measures")
         if advice.applier_utilisation > MAX_APPLIER_UTILISATION:
-            why += (f"; above the {MAX_APPLIER_UTILISATION:.0%} bound, and more shards would cost the groups "
-                    f"more in exchange files than they save: a larger exchange.every lightens the appliers")
+            why += (f"; above the {MAX_APPLIER_UTILISATION:.0%} bound: more shards cost each group a file per "
+                    f"exchange and do not bring it under; a larger exchange.every lightens the appliers")
     job = job.replace(exchange=dataclasses.replace(job.exchange, shards=shards))
     return job, f"exchange.shards: {shards} ({why})"
 

@@ -133,7 +133,7 @@ class Partition:
         try:
             doc = json.loads(data)
             fmt = doc.get("format")
-            if fmt not in (1, PARTITION_FORMAT):
+            if type(fmt) is not int or fmt not in (1, PARTITION_FORMAT):  # JSON true is not 1
                 raise ValueError(f"format {fmt!r}")
             tensors = {str(n): (tuple(int(x) for x in t["shape"]), str(np.dtype(t["dtype"]).str))
                        for n, t in doc["tensors"].items()}
@@ -166,7 +166,6 @@ class Partition:
     def describe(self) -> dict[str, Any]:
         return {"shards": self.count, "bytes": self.shard_bytes(),
                 "pieces": [len(pieces) for pieces in self.shards]}
-
 
     def _rows(self, piece: Piece) -> int:
         if piece.stop is None:

@@ -111,7 +111,8 @@ def test_a_recorded_partition_round_trips_and_a_tampered_one_is_refused():
     doc["shards"][0][0][2] -= 1  # a row of w in no shard
     with pytest.raises(ValueError, match="covered exactly once"):
         Partition.from_json(json.dumps(doc).encode())
-    for bad in (b"", b"\x80\x04pickle", b"[]", b'{"format": 2}', b'{"format": 3, "tensors": {}, "shards": []}'):
+    for bad in (b"", b"\x80\x04pickle", b"[]", b'{"format": 2}', b'{"format": 3, "tensors": {}, "shards": []}',
+                b'{"format": true, "tensors": {"w": {"shape": [2], "dtype": "<f4"}}, "shards": [[["w", 0, null]]]}'):
         with pytest.raises(ValueError, match="not an hpcdl partition"):
             Partition.from_json(bad)
 
