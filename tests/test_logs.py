@@ -93,7 +93,8 @@ def hpcdl(*args, cwd, check=True):
     return proc
 
 
-def test_logs_prints_and_follows(run, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_logs_prints_and_follows(run, tmp_path, stop):
     out = hpcdl("logs", str(run.root), "--group", "1", cwd=tmp_path).stdout
     assert out == (f"==> {run.rank_log(1, 0)} <==\ngroup 1 rank 0\n\n"
                    f"==> {run.rank_log(1, 1)} <==\ngroup 1 rank 1\n")
@@ -119,7 +120,7 @@ def test_logs_prints_and_follows(run, tmp_path):
         with open(run.rank_log(0, 1), "ab") as f:
             f.write(b"step 10 \xff\n")  # not UTF-8: passed through as it is
         read_until(b"step 10 \xff\n")
-        follower.send_signal(signal.SIGINT)
+        follower.send_signal(stop)
         _, err = follower.communicate(timeout=30)
     finally:
         if follower.poll() is None:
