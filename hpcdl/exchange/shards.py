@@ -102,8 +102,8 @@ class Partition:
                  for p in pieces} for pieces in self.shards]
 
     def _as_rows(self, tensor: np.ndarray) -> np.ndarray:
-        arr = np.asarray(tensor)
-        return arr.reshape(math.prod(arr.shape[:-1]), arr.shape[-1]) if self.format >= 2 and arr.ndim > 2 else arr
+        arr = np.asarray(tensor)  # format 1's pieces keep the tensor's trailing axes
+        return arr.reshape(_matrix(arr.shape, self.format)) if self.format >= 2 and arr.ndim > 2 else arr
 
     def join(self, parts: list[Arrays]) -> Arrays:
         """The whole tensors from every shard's pieces (``split``'s inverse)."""
@@ -173,14 +173,16 @@ class Partition:
         return piece.stop - piece.start
 
 
+def _matrix(shape: tuple[int, ...], fmt: int) -> tuple[int, int]:
+    """(rows, elements per row) of a tensor of ``shape`` as format ``fmt`` cuts it."""
+    if fmt >= 2 and len(shape) > 2:
+        return math.prod(shape[:-1]), shape[-1]
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
 def _row_bytes(spec: tuple[tuple[int, ...], str], fmt: int) -> int:
-    shape, dtype = spec
-    row = shape[-1:] if fmt >= 2 and len(shape) > 2 else shape[1:]
-    return math.prod(row) * np.dtype(dtype).itemsize
+    return _matrix(spec[0], fmt)[1] * np.dtype(spec[1]).itemsize
 
 
 def _rows_of(spec: tuple[tuple[int, ...], str], fmt: int) -> int:
-    shape = spec[0]
-    if fmt >= 2 and len(shape) > 2:
-        return math.prod(shape[:-1])
-    return shape[0] if shape else 1
+    return _matrix(spec[0], fmt)[0]
