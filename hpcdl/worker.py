@@ -4,6 +4,7 @@
   SLURM's with --slurm, a local mpirun's with --mpi), tune the CPU before TensorFlow loads, join
   the group's Horovod world (Gloo, or MPI with run.controller = "mpi"), and hand over to
   `hpcdl.engine.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
+  SIGUSR2, to any of these processes, writes its threads' stacks to its log.
 * `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit. With
@@ -16,6 +17,7 @@ This is the glue between a scheduler and the engine; neither knows the other.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
 import os
@@ -185,6 +187,9 @@ def _main(argv: list[str] | None) -> int:
     stop = {"requested": False, "signal": None}
     for stop_signal in (signal.SIGUSR1, signal.SIGINT, signal.SIGTERM):
         signal.signal(stop_signal, lambda signum, _: stop.update(requested=True, signal=signum))
+    # A hung rank or applier shows where it waits: `kill -USR2 PID` writes every thread's Python
+    # stack to its log, even while the main thread is blocked inside a collective.
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     follow_supervisor(os.environ)
     run = RunDir(args.run_dir)
     job = run.load_job()

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +63,35 @@ def wait_for(predicate, timeout=180.0, what="condition", poll=0.2):
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_hpcdl(args: list[str], *, runs_dir: Path, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`hpcdl ARGS`, text output captured. A run that outlives `timeout` fails the test with what
+    its processes were doing: each still alive is asked for its stacks (SIGUSR2) before the tails
+    of every log under `runs_dir` are shown."""
+    try:
+        return subprocess.run([HPCDL, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired:
+        pass
+    pids = []
+    for state in runs_dir.glob("*/scheduler/local.json"):
+        record = json.loads(state.read_text())
+        pids += [pid for g in record.get("groups", {}).values() for pid in g.get("pids", [])]
+        pids += [s["pid"] for s in (record.get("applier") or {}).get("shards", [])]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGUSR2)
+            except ProcessLookupError:
+                pass
+    time.sleep(2.0)
+    for pid in pids:  # nothing hung is left to slow the tests after this one
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    tails = [f"--- {log}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-40:])
+             for log in sorted(runs_dir.rglob("*.log"))]
+    pytest.fail(f"hpcdl {args[0]} did not end in {timeout:.0f} s; its logs:\n" + "\n".join(tails), pytrace=False)
 
 
 def set_args(overrides: list[str]) -> list[str]:

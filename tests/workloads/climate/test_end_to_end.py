@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import h5py
 import numpy as np
@@ -12,11 +11,11 @@ import pytest
 
 from hpcdl.workloads.climate.generate import generate
 from hpcdl.workloads.climate.metrics import read_detections
-from tests.conftest import HPCDL, set_args
+from tests.conftest import run_hpcdl, set_args
 
 
 def hpcdl(*args, cwd, check=True, timeout=600):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    proc = run_hpcdl(list(args), runs_dir=cwd / "runs", timeout=timeout, cwd=cwd)
     if check:
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import HPCDL
+from tests.conftest import HPCDL, run_hpcdl
 
 pytestmark = pytest.mark.slow
 
@@ -14,12 +14,12 @@ def test_cnn_beats_the_physics_selection_on_generated_data(tmp_path):
     data = tmp_path / "data"
     subprocess.run([HPCDL, "data", "generate", "hep", "--out", str(data), "--events", "25000",
                     "--image-size", "64", "--seed", "3"], check=True, capture_output=True, timeout=1200)
-    submitted = subprocess.run(
-        [HPCDL, "submit", "hep", "--backend", "local", "--nodes", "2", "--group-size", "1", "--json",
+    submitted = run_hpcdl(
+        ["submit", "hep", "--backend", "local", "--nodes", "2", "--group-size", "1", "--json",
          "--set", f'data.train="{data}/train.h5"', "--set", f'data.test="{data}/test.h5"',
          "--set", f'data.val="{data}/val.h5"', "--set", "train.steps=600", "--set", "model.filters=32",
          "--set", f'run.runs_dir="{tmp_path}/runs"'],
-        capture_output=True, text=True, timeout=2400, cwd=tmp_path)
+        runs_dir=tmp_path / "runs", timeout=2400, cwd=tmp_path)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     run_dir = json.loads(submitted.stdout)["run_dir"]
     result = json.loads(subprocess.run([HPCDL, "evaluate", run_dir, "--json"], capture_output=True,
