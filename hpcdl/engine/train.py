@@ -191,67 +191,72 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
     validation_due = False
 
-    for current in range(resumed_from + 1, job.train.steps + 1):
-        started = time.perf_counter()
-        loss, grads = train_step(next(batches))
-        if pace is not None:
-            pace(current, started)
-        step.assign(current)
-        window_steps += 1
-        total_steps_here += 1
+    try:
+        for current in range(resumed_from + 1, job.train.steps + 1):
+            started = time.perf_counter()
+            loss, grads = train_step(next(batches))
+            if pace is not None:
+                pace(current, started)
+            step.assign(current)
+            window_steps += 1
+            total_steps_here += 1
 
-        if coordinate:
-            adopted = None
-            if exchange and rank == 0:
-                adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)},
-                                          lambda: {n: v.numpy() for n, v in zip(names, variables)})
-            adopt, stopped = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
-            if adopt:
-                if rank == 0:
-                    _assign(variables, names, adopted)
-                hvd.broadcast_variables(variables, root_rank=0)
+            if coordinate:
+                adopted = None
+                if exchange and rank == 0:
+                    adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)},
+                                              lambda: {n: v.numpy() for n, v in zip(names, variables)})
+                adopt, stopped = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
+                if adopt:
+                    if rank == 0:
+                        _assign(variables, names, adopted)
+                    hvd.broadcast_variables(variables, root_rank=0)
 
-        if validate_every:
-            validation_due = validation_due or current % validate_every == 0
-            adopted_now = not exchange or adopt
-            if (validation_due and adopted_now) or current == job.train.steps:
-                began = time.perf_counter()
-                validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
-                # The window's rates are the training steps': scoring is rank 0's own uncounted
-                # work, reported as its own time (the run's sustained rate still pays it).
-                validation["val_time_s"] = time.perf_counter() - began
-                window_start += validation["val_time_s"]
-                if exchange and adopted_now:  # at the last step, maybe the group's own weights
-                    validation["val_master_version"] = sync.stats().get("exchange_version")
-                validation_due = False
-                recorder.validation(current, validation)
+            if validate_every:
+                validation_due = validation_due or current % validate_every == 0
+                adopted_now = not exchange or adopt
+                if (validation_due and adopted_now) or current == job.train.steps:
+                    began = time.perf_counter()
+                    validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
+                    # The window's rates are the training steps': scoring is rank 0's own uncounted
+                    # work, reported as its own time (the run's sustained rate still pays it).
+                    validation["val_time_s"] = time.perf_counter() - began
+                    window_start += validation["val_time_s"]
+                    if exchange and adopted_now:  # at the last step, maybe the group's own weights
+                        validation["val_master_version"] = sync.stats().get("exchange_version")
+                    validation_due = False
+                    recorder.validation(current, validation)
 
-        if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
-            elapsed = time.perf_counter() - window_start
-            per_rank_images = window_steps * batch_images / elapsed
-            last = {
-                "time": time.time(),
-                "train_start": train_start,
-                "group": group,
-                "step": current,
-                "loss": float(loss.numpy()),
-                "ranks": size,
-                "step_time_s": elapsed / window_steps,
-                "images_per_s": per_rank_images * size,
-                "flops_per_s_rank": per_rank_images * flops_per_example,
-                "flops_per_s_group": per_rank_images * flops_per_example * size,
-                "sustained_flops_per_s_group": total_steps_here * batch_images * flops_per_example * size
-                                               / (time.perf_counter() - run_start),
-                **(report or {}),
-                **(sync.stats() if exchange else {}),
-                **validation,
-            }
-            recorder.metrics(current, last)
-            window_start, window_steps = time.perf_counter(), 0
-        if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
-            recorder.checkpoint(manager, current)
-        if stopped:
-            break
+            if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
+                elapsed = time.perf_counter() - window_start
+                per_rank_images = window_steps * batch_images / elapsed
+                last = {
+                    "time": time.time(),
+                    "train_start": train_start,
+                    "group": group,
+                    "step": current,
+                    "loss": float(loss.numpy()),
+                    "ranks": size,
+                    "step_time_s": elapsed / window_steps,
+                    "images_per_s": per_rank_images * size,
+                    "flops_per_s_rank": per_rank_images * flops_per_example,
+                    "flops_per_s_group": per_rank_images * flops_per_example * size,
+                    "sustained_flops_per_s_group": total_steps_here * batch_images * flops_per_example * size
+                                                   / (time.perf_counter() - run_start),
+                    **(report or {}),
+                    **(sync.stats() if exchange else {}),
+                    **validation,
+                }
+                recorder.metrics(current, last)
+                window_start, window_steps = time.perf_counter(), 0
+            if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
+                recorder.checkpoint(manager, current)
+            if stopped:
+                break
+    finally:
+        # No reader thread may be inside HDF5 when the interpreter exits: a daemon thread frozen
+        # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
+        batches.close()
 
     # Data parallelism's invariant, asked of the ranks themselves: one 8-byte digest each.
     digests = hvd.allgather(tf.constant([weights_digest(variables)], tf.int64), name="replica_digests").numpy()

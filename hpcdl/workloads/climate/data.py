@@ -426,7 +426,7 @@ def iter_train_batches(path, batch: int, stats: Stats, cell: int, *, shard: int 
     images alone (the unlabelled ones are never read); otherwise a ``labelled_share`` of each batch
     comes from the shard's labelled images and the rest from its unlabelled ones (0, or a shard
     lacking either kind: a uniform draw over the shard). With ``prefetch > 0`` a daemon thread
-    reads that many batches ahead; it stops when the iterator is closed or dropped.
+    reads that many batches ahead; closing the iterator stops it and waits for it.
     """
     cf = path if isinstance(path, ClimateFile) else open_climate(path)
     halt = threading.Event()
@@ -450,6 +450,7 @@ def iter_train_batches(path, batch: int, stats: Stats, cell: int, *, shard: int 
     finally:
         halt.set()
         common.drain_queue(q)
+        thread.join(timeout=5.0)  # out of HDF5 before the caller goes on (it may be exiting)
 
 
 def iter_eval(path, stats: Stats, batch: int = 16, only_labelled: bool = True):

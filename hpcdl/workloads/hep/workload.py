@@ -60,8 +60,9 @@ class HepWorkload(Workload):
             job.data.train, job.train.batch_per_rank, rank=shard, size=shards, norm=norm,
             shuffle=True, seed=seed, chunk_events=job.data.chunk_events, prefetch=job.data.prefetch,
         )
-        for x, y, w, _pass, _index in batches:
-            yield x, y, norm.event_weights(y, w)
+        with batches:  # closing this generator stops the prefetch thread and waits for it
+            for x, y, w, _pass, _index in batches:
+                yield x, y, norm.event_weights(y, w)
 
     def loss(self, model, batch, training: bool):
         import tensorflow as tf

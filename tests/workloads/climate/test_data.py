@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import h5py
 import numpy as np
@@ -272,16 +271,14 @@ def test_train_batches_are_deterministic_and_sharded(semi):
         next(iter_train_batches(semi, 4, st, 4, shard=7, shards=8, labelled_only=True, prefetch=0))
 
 
-def test_prefetch_thread_stops_when_closed(semi):
+def test_prefetch_thread_has_ended_when_close_returns(semi):
+    # a reader thread left inside HDF5 at interpreter exit hangs the process (h5py's lock)
     st = compute_stats(semi)
     before = threading.active_count()
     it = iter_train_batches(semi, 4, st, 4, prefetch=2)
     next(it)
     assert threading.active_count() == before + 1
     it.close()
-    deadline = time.monotonic() + 5
-    while threading.active_count() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
     assert threading.active_count() == before
 
 

@@ -11,6 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
+from hpcdl.config import load_job
+from hpcdl.workloads import get_workload
 from hpcdl.workloads.hep import data as hd
 from hpcdl.workloads.hep.data import (
     DataError,
@@ -20,6 +22,7 @@ from hpcdl.workloads.hep.data import (
     shard_range,
 )
 from hpcdl.workloads.hep.normalization import Normalization, channel_max, class_weight_means
+from tests.conftest import tiny_overrides
 
 
 def _arrays(n, h=6, w=5, seed=0):
@@ -416,6 +419,17 @@ def test_garbage_collection_stops_thread(nersc_file):
     gc.collect()
     thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_the_workloads_training_batches_end_their_thread_when_closed(hep_files, tmp_path):
+    # the engine closes them before its rank exits: a thread inside HDF5 then would hang it
+    job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs"))
+    workload = get_workload("hep")
+    batches = workload.train_batches(job, workload.compute_stats(job), shard=0, shards=1, seed=0)
+    next(batches)
+    assert _prefetch_threads()
+    batches.close()
+    assert not _prefetch_threads()
 
 
 def test_thread_ends_after_finite_epochs(nersc_file):
