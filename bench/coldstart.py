@@ -14,7 +14,7 @@ rule and a fixed delay.
   the first convolutions' biases driven negative (their ReLUs then output zeros on sparse images).
 
     .venv/bin/python bench/coldstart.py real --runs 4 --steps 300
-    .venv/bin/python bench/coldstart.py delay --lags -1,0,2 --seeds 0,1,2 --steps 150 \
+    .venv/bin/python bench/coldstart.py delay --lags=-1,0,2 --seeds 0,1,2 --steps 150 \
         --set exchange.staleness_scaling=false
 
 Results: bench/results/coldstart-<date>.json.
@@ -67,6 +67,7 @@ def real_run(data: dict[str, Path], runs: Path, steps: int, extra: list[str]) ->
 
 def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list[str], groups: int = 2) -> dict:
     import numpy as np
+    import tensorflow as tf
 
     from hpcdl.applier.rules import RuleParams, make_rule
     from hpcdl.config import load_job
@@ -74,6 +75,7 @@ def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list
     from hpcdl.engine.step import make_train_step
     from hpcdl.workloads import get_workload
 
+    tf.random.set_seed(seed)  # dropout's masks
     sync = lag < 0
     count = 1 if sync else groups
     job = load_job("hep", [*MAKE_RUN, *data_sets(data), f"train.seed={seed}",
