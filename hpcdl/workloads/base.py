@@ -72,7 +72,8 @@ class Workload(ABC):
 
     @abstractmethod
     def train_batches(self, job, stats: dict[str, Any], shard: int, shards: int, seed: int) -> Iterator[tuple]:
-        """Endless training batches of one shard, as tuples of numpy arrays for `loss`."""
+        """Endless training batches of one shard, as tuples of numpy arrays for `loss`: a generator,
+        which the engine closes when it stops (a reader thread must be gone before the rank is)."""
 
     @abstractmethod
     def loss(self, model, batch: tuple, training: bool):
