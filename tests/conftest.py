@@ -78,11 +78,11 @@ def run_hpcdl(args: list[str], *, runs_dir: Path, timeout: float, **kwargs) -> s
         record = json.loads(state.read_text())
         pids += [pid for g in record.get("groups", {}).values() for pid in g.get("pids", [])]
         pids += [s["pid"] for s in (record.get("applier") or {}).get("shards", [])]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGUSR2)
-            except ProcessLookupError:
-                pass
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGUSR2)
+        except ProcessLookupError:
+            pass
     time.sleep(2.0)
     for pid in pids:  # nothing hung is left to slow the tests after this one
         try:
