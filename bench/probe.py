@@ -125,7 +125,8 @@ class TfProbe:
         from hpcdl.engine.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
 
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
-                              onednn=bool(args.onednn), precision=args.precision)
+                              onednn=bool(args.onednn), precision=args.precision,
+                              conv_weight_grad=args.conv_weight_grad)
         cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
         self.plan = plan_threads(tuning, cores, why, cpu=read_cpuinfo())
         os.environ.update(self.plan.environment())
@@ -278,6 +279,7 @@ def main() -> int:
     parser.add_argument("--inter", type=int, default=0, help="tf: tuning.inter_op_threads (0: derive)")
     parser.add_argument("--onednn", type=int, default=1)
     parser.add_argument("--precision", default="float32", help="tf: tuning.precision")
+    parser.add_argument("--conv-weight-grad", default="auto", help="tf: tuning.conv_weight_grad")
     parser.add_argument("--env", action="append", default=[], help="tf: KEY=VALUE set before TensorFlow loads")
     parser.add_argument("--image", type=int, default=224)
     args = parser.parse_args()

@@ -148,11 +148,13 @@ class Step:
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
                               precision=args.precision)
         cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
+        # KEY=VALUE for an experiment, before TensorFlow loads and before the plan: an
+        # ONEDNN_MAX_CPU_ISA changes the CPU the plan is made for
+        experiment = dict(item.partition("=")[::2] for item in args.env)
+        os.environ.update(experiment)
         self.plan = plan_threads(tuning, cores, why, cpu=read_cpuinfo())
         os.environ.update(self.plan.environment())
-        for item in args.env:  # KEY=VALUE for an experiment, before TensorFlow loads
-            key, _, value = item.partition("=")
-            os.environ[key] = value
+        os.environ.update(experiment)
         import numpy as np
         import tensorflow as tf
 

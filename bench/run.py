@@ -244,11 +244,14 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
     res = b.data.setdefault("step", {"batch": batch, "rounds": []})
     tf = b.tf_probe()
     bf = None
-    from hpcdl.engine.tuning import read_cpuinfo
+    from hpcdl.engine.tuning import onednn_isa_cap, read_cpuinfo
 
     # mixed_bfloat16 only where it is native: emulated it runs at ~0.1x float32 (bench/results,
     # AVX2 EPYC) and the job option is refused there, so its step would only cost the bench time.
     mixed = ["mixed_bfloat16"] if read_cpuinfo().bf16 else []
+    # Under ONEDNN_MAX_CPU_ISA TensorFlow still dispatches bfloat16 by the CPU's own flags and
+    # oneDNN refuses the primitive: the process dies (SIGILL), so no bfloat16 matmul then.
+    capped = bool(onednn_isa_cap(os.environ))
     if do_step:
         log(f"step: tracing the HEP step at 224x224, batch {batch} (float32{', mixed_bfloat16' if mixed else ''})")
         res["first_step"] = tf.ask(op="setup", batches=[batch], precisions=["float32", *mixed])
@@ -287,8 +290,9 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
                     ex = tf.ask(op="step", batch=batch, precision="mixed_bfloat16", n=1)
                     explicit.extend(rates(ex))
                     entry.update(step_explicit_bf16=ex)
-            mmb = rates(tf.ask(op="matmul", dtype="bfloat16", n=b.args.sgemm_n, reps=2, min_seconds=b.args.peak_seconds))
-            mm_bf16.extend(mmb)
+            if not capped:
+                mm_bf16.extend(rates(tf.ask(op="matmul", dtype="bfloat16", n=b.args.sgemm_n, reps=2,
+                                            min_seconds=b.args.peak_seconds)))
             res["rounds"].append(entry)
     finally:
         if bf is not None:
@@ -304,8 +308,13 @@ def section_sgemm_step(b: Bench, do_sgemm: bool, do_step: bool) -> None:
     cpu = read_cpuinfo()
     # Named from the flags, not from the vector ISA: an AVX2 CPU has no bfloat16 unit at all.
     bf16_unit = cpu.bf16_unit if cpu.bf16 else "emulated: no bfloat16 unit"
-    b.row("sgemm.tf_bf16", "peak", f"TensorFlow matmul bfloat16 {b.args.sgemm_n}² ({bf16_unit})", gf(best(mm_bf16)),
-          f"{best(mm_bf16) / b.peak:.2f}x fp32 peak", f"median {gf(median(mm_bf16))}", number=best(mm_bf16))
+    if capped:
+        b.row("sgemm.tf_bf16", "peak", f"TensorFlow matmul bfloat16 {b.args.sgemm_n}²", "not run", "",
+              "ONEDNN_MAX_CPU_ISA is set")
+    else:
+        b.row("sgemm.tf_bf16", "peak", f"TensorFlow matmul bfloat16 {b.args.sgemm_n}² ({bf16_unit})",
+              gf(best(mm_bf16)), f"{best(mm_bf16) / b.peak:.2f}x fp32 peak", f"median {gf(median(mm_bf16))}",
+              number=best(mm_bf16))
     if not steps:
         return
     fpe = b.data["tf_default"]["flops_per_example"]
@@ -374,6 +383,16 @@ TUNING_VARIANTS = (
 )
 
 
+def weight_grad_variant() -> tuple[str, str, list[str]]:
+    """The convolutions' weight gradient that tuning.conv_weight_grad = "auto" does not take here."""
+    from hpcdl.config import TuningConfig
+    from hpcdl.engine.tuning import plan_threads, read_cpuinfo
+
+    mine = plan_threads(TuningConfig(), 2, "bench", cpu=read_cpuinfo()).conv_weight_grad
+    other = "tensorflow" if mine == "gemm" else "gemm"
+    return "weight_grad", f"conv weight gradient {other} (auto: {mine})", ["--conv-weight-grad", other]
+
+
 def section_tuning(b: Bench) -> None:
     batch = b.args.tuning_batch
     rounds = b.args.rounds
@@ -392,7 +411,7 @@ def section_tuning(b: Bench) -> None:
         ref = best(b.data["step"]["step_flops"])
         b.row(f"tuning.batch{batch}", "tuning", f"batch {batch} instead of {b.args.batch}", gf(best(small)),
               f"{best(small) / ref:.2f}x default", f"median {gf(median(small))}", number=best(small) / ref)
-    for key, label, extra in TUNING_VARIANTS:
+    for key, label, extra in TUNING_VARIANTS + (weight_grad_variant(),):
         if mem_available_gb() < 3.0:
             b.row(f"tuning.{key}", "tuning", label, "skipped", "", f"only {mem_available_gb():.1f} GB free")
             continue
@@ -885,9 +904,9 @@ def section_plan(b: Bench) -> None:
 
 
 def machine() -> dict[str, Any]:
-    from hpcdl.engine.tuning import read_cpuinfo, usable_cores
+    from hpcdl.engine.tuning import onednn_isa_cap, read_cpuinfo, usable_cores
 
-    cpu = read_cpuinfo()
+    cpu = read_cpuinfo()  # as oneDNN uses it: capped by ONEDNN_MAX_CPU_ISA, if that is set
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True).stdout.strip()
@@ -911,12 +930,14 @@ def machine() -> dict[str, Any]:
     return {"cpu": cpu.model, "isa": cpu.vector_isa, "versions": versions, "bf16": cpu.bf16,
             "bf16_unit": cpu.bf16_unit, "flags": " ".join(sorted(cpu.flags)), "usable_cores": usable_cores(),
             "hypervisor": virt, "host": socket.gethostname(), "python": platform.python_version(),
-            "commit": commit, "mem_available_gb": round(mem_available_gb(), 1)}
+            "commit": commit, "mem_available_gb": round(mem_available_gb(), 1),
+            "onednn_isa_cap": onednn_isa_cap(os.environ)}
 
 
 def render(b: Bench, m: dict, previous: dict | None) -> str:
     head = (f"hpcdl bench — {m['cpu']}{' (' + m['hypervisor'] + ')' if m['hypervisor'] else ''}, "
-            f"{m['usable_cores']} cores, {m['isa']}, TF "
+            f"{m['usable_cores']} cores, {m['isa']}"
+            f"{' (ONEDNN_MAX_CPU_ISA=' + m['onednn_isa_cap'] + ')' if m.get('onednn_isa_cap') else ''}, TF "
             f"{m['versions'].get('tensorflow-cpu') or m['versions'].get('tensorflow', '?')}, "
             f"commit {m['commit']}, {b.data['started']}; load avg {b.data['load_start']:.1f} → "
             f"{b.data['load_end']:.1f}; {b.data['elapsed_s'] / 60:.1f} min")

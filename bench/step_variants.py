@@ -14,6 +14,10 @@ step times (variant / reference). Choices:
   (its gradient is BiasAddGrad).
 * adam "loop": hpcdl.engine.optim.Adam's element-wise ops per variable; "fused": one ResourceApplyAdam
   per variable (the same formula).
+* wgrad "tensorflow": Conv2DBackpropFilter (oneDNN's backward-weights kernel); "gemm":
+  `tuning.conv_weight_grad = "gemm"`, hpcdl.engine.nn.conv_weight_grad_gemm on the layers it
+  takes. That is the choice for AVX2 CPUs, where this oneDNN has no brgemm backward-weights
+  kernel; `ONEDNN_MAX_CPU_ISA=AVX2` runs that code path on a newer CPU.
 
 Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are bench/run.py's tuning
 section (one process per setting), not a variant here.
@@ -36,11 +40,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VARIANTS = {  # name: (dropout, bias, adam)
-    "reference": ("tf", "add", "loop"),
-    "dropout_bits16": ("bits16", "add", "loop"),
-    "bias_add": ("tf", "bias_add", "loop"),
-    "fused_adam": ("tf", "add", "fused"),
+VARIANTS = {  # name: (dropout, bias, adam, wgrad)
+    "reference": ("tf", "add", "loop", "tensorflow"),
+    "dropout_bits16": ("bits16", "add", "loop", "tensorflow"),
+    "bias_add": ("tf", "bias_add", "loop", "tensorflow"),
+    "fused_adam": ("tf", "add", "fused", "tensorflow"),
+    "gemm_wgrad": ("tf", "add", "loop", "gemm"),
 }
 
 
@@ -59,6 +64,7 @@ def build(args):
     import numpy as np
     import tensorflow as tf
 
+    from hpcdl.engine import nn
     from hpcdl.engine.nn import Conv2D
     from hpcdl.engine.optim import Adam
     from hpcdl.engine.step import make_train_step
@@ -96,7 +102,7 @@ def build(args):
                                              beta2_power=self.beta2 ** t, lr=self.learning_rate, beta1=self.beta1,
                                              beta2=self.beta2, epsilon=self.epsilon, grad=g)
 
-    def variant(dropout, bias, opt):
+    def variant(dropout, bias, opt, wgrad):
         m = copy.copy(model)
         if dropout == "bits16":
             m._dropout = bits16
@@ -112,7 +118,11 @@ def build(args):
             o.__class__ = FusedAdam
 
         step = make_train_step(lambda batch: WORKLOAD.loss(m, batch, training=True), variables, o)
-        return lambda batch: step(batch)[0]
+
+        def run(batch):
+            nn.set_conv_weight_grad(wgrad)  # read when the step is traced (its first call)
+            return step(batch)[0]
+        return run
 
     rng = np.random.default_rng(0)
     batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a / b for a, b in zip(times[name], ref)]
         cpu_ratios = [a / b for a, b in zip(cpu_times[name], cpu_times["reference"])]
         med = statistics.median(times[name])
-        out["variants"][name] = {"choice": dict(zip(("dropout", "bias", "adam"), VARIANTS[name])),
+        out["variants"][name] = {"choice": dict(zip(("dropout", "bias", "adam", "wgrad"), VARIANTS[name])),
                                  "seconds": times[name], "cpu_seconds": cpu_times[name], "ratios": ratios,
                                  "ratio_median": statistics.median(ratios), "cpu_ratios": cpu_ratios,
                                  "cpu_ratio_median": statistics.median(cpu_ratios),

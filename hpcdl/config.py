@@ -251,6 +251,7 @@ class EmulateConfig:
 # the CPU has no bfloat16 unit); "mixed_bfloat16": Keras' policy, bfloat16 activations with float32
 # weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.engine.tuning).
 PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
+CONV_WEIGHT_GRAD_CHOICES = ("auto", "tensorflow", "gemm")
 
 
 @dataclass(frozen=True)
@@ -263,12 +264,14 @@ class TuningConfig:
     kmp_blocktime: int = 0
     kmp_affinity: str = "granularity=fine,compact,1,0"
     precision: str = "float32"  # see PRECISION_CHOICES
+    conv_weight_grad: str = "auto"  # see CONV_WEIGHT_GRAD_CHOICES and hpcdl.engine.tuning
 
     def validate(self) -> None:
         for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):
             if getattr(self, name) < 0:
                 raise JobError(f"tuning.{name} must be >= 0, got {getattr(self, name)}")
         _choice("tuning.precision", self.precision, PRECISION_CHOICES)
+        _choice("tuning.conv_weight_grad", self.conv_weight_grad, CONV_WEIGHT_GRAD_CHOICES)
 
 
 SLURM_STOP_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")

@@ -6,6 +6,9 @@ Layers use plain variables (no Keras), so Horovod sees ordinary `tf.Variable`s. 
 computes in the dtype of its input, its float32 variables cast to it (Keras' autocasting): under
 `tuning.precision = "mixed_bfloat16"` the model feeds bfloat16 activations and the weights stay
 float32 master copies; in float32 the casts are no-ops.
+
+How a convolution's weight gradient is computed is a process-wide choice, like TensorFlow's
+thread pools: `hpcdl.engine.tuning` decides it per CPU and `configure_tensorflow` sets it here.
 """
 
 from __future__ import annotations
@@ -20,6 +23,70 @@ from hpcdl.engine.flops import FlopCount
 def _as(var: tf.Variable, x: tf.Tensor) -> tf.Tensor:
     """The variable in x's compute dtype (its gradient flows back to the float32 variable)."""
     return tf.cast(var, x.dtype)
+
+
+#: "tensorflow" (Conv2DBackpropFilter: oneDNN's kernel) or "gemm" (conv_weight_grad_gemm, on the
+#: layers where it was faster); set by hpcdl.engine.tuning.configure_tensorflow.
+_CONV_WEIGHT_GRAD = "tensorflow"
+
+#: The layers "gemm" takes over: on AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, HEP step shapes, batch 32) the
+#: matmuls ran the 112² × 128 → 128 weight gradient 1.44x as fast as oneDNN, but 56² at 0.90x,
+#: 28² at 0.71x, and the 3-channel first layer at 0.84x (README Figures).
+GEMM_MIN_PIXELS = 112 * 112
+GEMM_MIN_IN_CHANNELS = 64
+
+
+def set_conv_weight_grad(choice: str) -> None:
+    global _CONV_WEIGHT_GRAD
+    if choice not in ("tensorflow", "gemm"):
+        raise ValueError(f"conv weight gradient: 'tensorflow' or 'gemm', got {choice!r}")
+    _CONV_WEIGHT_GRAD = choice
+
+
+def conv_weight_grad_gemm(x: tf.Tensor, dy: tf.Tensor, kernel: int) -> tf.Tensor:
+    """The weight gradient of a stride-1 'SAME' k×k convolution (k odd) as k² matmuls.
+
+    Output pixel (b, h, w) reads input pixel (b, h + i, w + j) of the input padded by p = k // 2.
+    With both the padded input and the output gradient padded to the same (h + 2p) × (w + 2p)
+    grid and flattened to rows of channels, that is the fixed row offset i·(w + 2p) + j, and the
+    output gradient's padding rows are zero: so tap (i, j) is one matmul of two views of those
+    flat tensors, with no im2col copy. Static height, width and channels are required.
+    """
+    p = kernel // 2
+    _, h, w, c_in = x.shape
+    c_out = dy.shape[-1]
+    wp = w + 2 * p
+    flat_x = tf.reshape(tf.pad(x, [[0, 0], [p, p], [p, p], [0, 0]]), [-1, c_in])
+    flat_dy = tf.reshape(tf.pad(dy, [[0, 0], [0, 2 * p], [0, 2 * p], [0, 0]]), [-1, c_out])
+    # The last offset's worth of rows of flat_dy is padding (zero): leaving it out keeps every
+    # view of flat_x inside it.
+    rows = tf.shape(flat_dy)[0] - (2 * p * wp + 2 * p)
+    dy_rows = flat_dy[:rows]
+    taps = [tf.matmul(flat_x[i * wp + j:i * wp + j + rows], dy_rows, transpose_a=True)
+            for i in range(kernel) for j in range(kernel)]
+    return tf.reshape(tf.stack(taps), [kernel, kernel, c_in, c_out])
+
+
+def _gemm_applies(x: tf.Tensor, kernel: int, stride: int) -> bool:
+    _, h, w, c_in = x.shape
+    return (stride == 1 and kernel % 2 == 1 and x.dtype == tf.float32 and None not in (h, w, c_in)
+            and c_in >= GEMM_MIN_IN_CHANNELS and h * w >= GEMM_MIN_PIXELS)
+
+
+def _conv_with_gemm_weight_grad(x: tf.Tensor, w: tf.Tensor, b: tf.Tensor, kernel: int) -> tf.Tensor:
+    """conv2d(x, w) + b, its weight gradient by conv_weight_grad_gemm. The bias is inside so that
+    grappler still fuses the convolution with it."""
+
+    @tf.custom_gradient
+    def conv(x, w, b):
+        def grad(dz):
+            dx = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, out_backprop=dz,
+                                                strides=[1, 1, 1, 1], padding="SAME")
+            return dx, conv_weight_grad_gemm(x, dz, kernel), tf.reduce_sum(dz, axis=[0, 1, 2])
+
+        return tf.nn.conv2d(x, w, 1, "SAME") + b, grad
+
+    return conv(x, w, b)
 
 
 def _glorot(rng: tf.random.Generator, shape: tuple[int, ...], fan_in: int, fan_out: int) -> tf.Tensor:
@@ -41,6 +108,8 @@ class Conv2D(tf.Module):
         # A broadcast add, not tf.nn.bias_add: grappler fuses conv + add + ReLU into one oneDNN
         # primitive either way, and bias_add's BiasAddGrad made the step slower (README Figures).
         with self.name_scope:  # op names carry the layer (conv0/...): the profile table's rows
+            if _CONV_WEIGHT_GRAD == "gemm" and _gemm_applies(x, self.kernel, self.stride):
+                return _conv_with_gemm_weight_grad(x, _as(self.w, x), _as(self.b, x), self.kernel)
             return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:

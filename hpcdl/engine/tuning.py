@@ -32,6 +32,12 @@ The rules (all pure functions below, tested in tests/engine/test_tuning.py):
   convolutions and matmuls from bfloat16-rounded inputs with float32 accumulation (on AMX tiles
   where there are some), so no model code changes. float32 sets the mode to STRICT, so a stray
   ONEDNN_DEFAULT_FPMATH_MODE in the user's environment cannot lower the precision unannounced.
+* conv_weight_grad "auto": "gemm" where oneDNN runs AVX2 code (the CPU has AVX2 and no AVX-512,
+  or ONEDNN_MAX_CPU_ISA caps it there: every rule reads the CPU as capped), else "tensorflow". This TensorFlow's oneDNN has its
+  brgemm backward-weights convolution for AVX-512 and AMX only; on AVX2 it falls back to an
+  older kernel that ran the large layers' weight gradient at half the forward's rate or less,
+  and nine matmuls do better there (hpcdl.engine.nn.conv_weight_grad_gemm says which layers).
+  On AVX-512 oneDNN's own kernel is faster, so "gemm" is never chosen there.
 
 The figures behind these rules, with the CPUs they were measured on, are in README's Figures and
 bench/results/.
@@ -49,6 +55,15 @@ from hpcdl.config import TuningConfig
 
 #: CPU flags (as /proc/cpuinfo spells them) that give native bfloat16 arithmetic.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+#: ONEDNN_MAX_CPU_ISA (DNNL_MAX_CPU_ISA before oneDNN 2) values: the flag prefixes each rules out.
+_ISA_CAPS = {
+    "SSE41": ("avx", "fma", "amx"), "AVX": ("avx2", "avx512", "fma", "amx"),
+    "AVX2": ("avx512", "amx"), "AVX2_VNNI": ("avx512", "amx"), "AVX2_VNNI_2": ("avx512", "amx"),
+    "AVX512_CORE": ("avx512_bf16", "avx512_fp16", "amx"),
+    "AVX512_CORE_VNNI": ("avx512_bf16", "avx512_fp16", "amx"),
+    "AVX512_CORE_BF16": ("avx512_fp16", "amx"), "AVX512_CORE_FP16": ("amx",), "AVX10_1_512": ("amx",),
+}
 
 
 # -- the CPU ----------------------------------------------------------------------------------
@@ -109,11 +124,27 @@ def parse_cpuinfo(text: str) -> CpuInfo:
     return CpuInfo(model=model, flags=flags)
 
 
-def read_cpuinfo(path: str | os.PathLike[str] = "/proc/cpuinfo") -> CpuInfo:
+def onednn_isa_cap(env: Mapping[str, str]) -> str:
+    """The ISA oneDNN is capped to in `env` (ONEDNN_MAX_CPU_ISA), upper case; "" when not capped."""
+    return (env.get("ONEDNN_MAX_CPU_ISA") or env.get("DNNL_MAX_CPU_ISA") or "").strip().upper()
+
+
+def capped_cpu(cpu: CpuInfo, cap: str) -> CpuInfo:
+    """The CPU as oneDNN uses it under ONEDNN_MAX_CPU_ISA=`cap`: the flags above the cap removed,
+    so the rules (bfloat16, vector ISA, weight gradient) follow what the kernels will run."""
+    ruled_out = _ISA_CAPS.get(cap, ())
+    return CpuInfo(cpu.model, frozenset(f for f in cpu.flags if not f.startswith(ruled_out)))
+
+
+def read_cpuinfo(path: str | os.PathLike[str] = "/proc/cpuinfo",
+                 env: Mapping[str, str] | None = None) -> CpuInfo:
+    """/proc/cpuinfo's first CPU as oneDNN will use it: capped by ONEDNN_MAX_CPU_ISA in `env`
+    (default os.environ)."""
     try:
-        return parse_cpuinfo(Path(path).read_text(errors="replace"))
+        cpu = parse_cpuinfo(Path(path).read_text(errors="replace"))
     except OSError:
         return CpuInfo()
+    return capped_cpu(cpu, onednn_isa_cap(os.environ if env is None else env))
 
 
 def openblas_coretype(cpu: CpuInfo) -> str | None:
@@ -227,6 +258,7 @@ class ThreadPlan:
     inter_op: int
     onednn: bool
     precision: str = "float32"
+    conv_weight_grad: str = "tensorflow"  # "tensorflow" or "gemm": see the module docstring
     kmp_blocktime: int = 0
     kmp_affinity: str = "granularity=fine,compact,1,0"
     reasons: tuple[tuple[str, str], ...] = field(default=(), compare=False)
@@ -263,7 +295,8 @@ class ThreadPlan:
     def describe(self) -> str:
         """One line for a rank's log."""
         return (f"threads: intra-op {self.intra_op}, inter-op {self.inter_op} on {self.cores} core(s); "
-                f"oneDNN {'on' if self.onednn else 'off'}; {self.precision}; KMP_AFFINITY="
+                f"oneDNN {'on' if self.onednn else 'off'}; {self.precision}; conv weight gradient "
+                f"{self.conv_weight_grad}; KMP_AFFINITY="
                 f"{self.kmp_affinity} — {self.reason}")
 
 
@@ -306,6 +339,22 @@ def plan_precision(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[str, str]
                        "(bfloat16 would be emulated, slower than float32): float32")
 
 
+def plan_conv_weight_grad(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[str, str]:
+    """"tensorflow" or "gemm" for the convolutions' weight gradient (see the module docstring)."""
+    wanted = getattr(tuning, "conv_weight_grad", "auto")
+    if wanted != "auto":
+        return wanted, _setting(tuning, "conv_weight_grad")
+    if not tuning.onednn:
+        return "tensorflow", "auto: oneDNN off (measured only against oneDNN's kernel)"
+    if cpu is None:
+        return "tensorflow", "auto: CPU not checked"
+    if cpu.vector_isa == "avx2":
+        return "gemm", ("auto: AVX2 without AVX-512: oneDNN has no brgemm backward-weights kernel there, and "
+                        "the large layers' weight gradient as matmuls made the HEP step 0.91x as "
+                        "long (README Figures)")
+    return "tensorflow", f"auto: {cpu.vector_isa}: oneDNN's backward-weights kernel is the faster one"
+
+
 def precision_refusal(tuning: TuningConfig, cpu: CpuInfo) -> str | None:
     """One line why `tuning.precision` cannot run on `cpu`, or None.
 
@@ -343,7 +392,7 @@ def plan_threads(tuning: TuningConfig, cores: int, why: str, *, ranks_on_host: i
     """The plan of one rank owning `cores` cores (`why`: where that number came from).
 
     `mask`: CPUs in the process's affinity mask (default: `cores`); `cpu`: the CPU's flags, for
-    the bfloat16 check (None: not checked).
+    the bfloat16 and weight-gradient rules (None: not checked).
     """
     cores = max(1, int(cores))
     if tuning.intra_op_threads:
@@ -354,14 +403,16 @@ def plan_threads(tuning: TuningConfig, cores: int, why: str, *, ranks_on_host: i
         intra, intra_why = cores, f"cores this rank owns: {why}"
     inter, inter_why = plan_inter_op(tuning, cores)
     precision, precision_why = plan_precision(tuning, cpu)
+    weight_grad, weight_grad_why = plan_conv_weight_grad(tuning, cpu)
     affinity, affinity_why = plan_affinity(tuning, cores, mask if mask is not None else cores, ranks_on_host)
     onednn_why = _setting(tuning, "onednn") + (" (oneDNN kernels, TensorFlow's default on x86)"
                                                if tuning.onednn else " (Eigen kernels)")
     return ThreadPlan(
         cores=cores, intra_op=intra, inter_op=inter, onednn=tuning.onednn, precision=precision,
-        kmp_blocktime=tuning.kmp_blocktime, kmp_affinity=affinity,
+        conv_weight_grad=weight_grad, kmp_blocktime=tuning.kmp_blocktime, kmp_affinity=affinity,
         reasons=(("intra_op", intra_why), ("inter_op", inter_why), ("onednn", onednn_why),
-                 ("precision", precision_why), ("kmp_affinity", affinity_why)),
+                 ("precision", precision_why), ("conv_weight_grad", weight_grad_why),
+                 ("kmp_affinity", affinity_why)),
     )
 
 
@@ -372,7 +423,7 @@ def plan_for_this_process(tuning: TuningConfig, ranks_on_host: int, env: Mapping
     mask = affinity_cores()
     usable = usable_cores(mask, cgroup_cpu_quota())
     cores, why = cores_per_rank(env, usable, ranks_on_host, slurm_task=slurm_task)
-    return plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=read_cpuinfo())
+    return plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=read_cpuinfo(env=env))
 
 
 def configure_tensorflow(plan: ThreadPlan) -> None:
@@ -381,6 +432,9 @@ def configure_tensorflow(plan: ThreadPlan) -> None:
 
     tf.config.threading.set_intra_op_parallelism_threads(plan.intra_op)
     tf.config.threading.set_inter_op_parallelism_threads(plan.inter_op)
+    from hpcdl.engine import nn
+
+    nn.set_conv_weight_grad(plan.conv_weight_grad)
 
 
 def compute_dtype(precision: str) -> str:

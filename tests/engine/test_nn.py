@@ -44,3 +44,77 @@ def test_forward_flops_match_tensorflow_profiler():
     mine = model.flops().forward
     # The profiler also counts bias adds, ReLU and pooling, which we leave out (under 1 %).
     assert mine <= profiled <= mine * 1.02
+
+
+# -- the weight gradient as matmuls (tuning.conv_weight_grad = "gemm") ------------------------
+
+import numpy as np
+import pytest
+
+from hpcdl.engine import nn
+
+
+@pytest.fixture
+def gemm_weight_grad():
+    nn.set_conv_weight_grad("gemm")
+    yield
+    nn.set_conv_weight_grad("tensorflow")
+
+
+@pytest.mark.parametrize("h, w, c_in, c_out, k", [(12, 9, 8, 5, 3), (7, 11, 3, 4, 5), (1, 1, 2, 3, 3)])
+def test_conv_weight_grad_gemm_is_conv2d_backprop_filter(h, w, c_in, c_out, k):
+    rng = np.random.default_rng(k * h)
+    x = tf.constant(rng.standard_normal((2, h, w, c_in)), tf.float32)
+    dy = tf.constant(rng.standard_normal((2, h, w, c_out)), tf.float32)
+    ref = tf.raw_ops.Conv2DBackpropFilter(input=x, filter_sizes=[k, k, c_in, c_out], out_backprop=dy,
+                                          strides=[1, 1, 1, 1], padding="SAME")
+    got = nn.conv_weight_grad_gemm(x, dy, k)
+    np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def _op_types(fn, spec) -> set[str]:
+    graph = fn.get_concrete_function(spec).graph
+    types = {op.type for op in graph.get_operations()}
+    for f in graph.as_graph_def().library.function:  # the gradient's ops live in functions
+        types |= {node.op for node in f.node_def}
+    return types
+
+
+def test_gemm_weight_grad_layer_matches_tensorflow_and_replaces_its_kernel(gemm_weight_grad):
+    # the smallest layer "gemm" takes: 112² pixels, 64 input channels; batch left open
+    layer = nn.Conv2D(64, 4, 3, 1, tf.random.Generator.from_seed(0), name="conv1")
+    x = tf.constant(np.random.default_rng(1).standard_normal((2, 112, 112, 64)), tf.float32)
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.nn.relu(layer(x)) ** 2)
+        return tape.gradient(loss, [x, layer.w, layer.b])
+
+    spec = tf.TensorSpec([None, 112, 112, 64], tf.float32)
+    assert "Conv2DBackpropFilter" not in _op_types(grads, spec)
+    got = grads(x)
+    nn.set_conv_weight_grad("tensorflow")
+    reference = tf.function(grads.python_function)
+    assert "Conv2DBackpropFilter" in _op_types(reference, spec)
+    for g, r in zip(got, reference(x)):
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=2e-4, atol=2e-3 * float(tf.reduce_max(tf.abs(r))))
+
+
+@pytest.mark.parametrize("shape, stride", [((56, 56, 64), 1), ((112, 112, 3), 1), ((112, 112, 64), 2)])
+def test_gemm_weight_grad_leaves_the_layers_where_it_was_slower(gemm_weight_grad, shape, stride):
+    layer = nn.Conv2D(shape[-1], 4, 3, stride, tf.random.Generator.from_seed(0), name="c")
+
+    @tf.function
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(x))
+        return tape.gradient(loss, layer.w)
+
+    assert "Conv2DBackpropFilter" in _op_types(grads, tf.TensorSpec([None, *shape], tf.float32))
+
+
+def test_set_conv_weight_grad_refuses_other_values():
+    with pytest.raises(ValueError, match="'tensorflow' or 'gemm'"):
+        nn.set_conv_weight_grad("auto")

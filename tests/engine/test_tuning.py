@@ -8,6 +8,7 @@ from hpcdl.config import JobError, TuningConfig, load_job
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,
+    capped_cpu,
     cgroup_cpu_quota,
     cores_per_rank,
     openblas_coretype,
@@ -256,7 +257,7 @@ def test_default_tuning_derives_inter_op():
 
 def test_plan_describe_and_reason_name_every_decision():
     plan = plan_threads(TuningConfig(), 2, "2 usable cores / 1 rank(s) on this host", cpu=SPR)
-    for key in ("intra_op", "inter_op", "onednn", "precision", "kmp_affinity"):
+    for key in ("intra_op", "inter_op", "onednn", "precision", "conv_weight_grad", "kmp_affinity"):
         assert f"{key}: " in plan.reason
     assert plan.describe().startswith("threads: intra-op 2, inter-op 2 on 2 core(s); oneDNN on; float32")
 
@@ -267,3 +268,44 @@ def test_plan_for_this_process_reads_the_machine(monkeypatch):
     assert isinstance(plan, ThreadPlan) and plan.intra_op == usable_cores() == plan.cores
     many = plan_for_this_process(TuningConfig(), ranks_on_host=10_000)
     assert many.intra_op == 1 and "oversubscribed" in many.why("intra_op")
+
+
+# -- the convolutions' weight gradient ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("cpu, expected", [
+    (EPYC_AVX2, "gemm"),  # oneDNN has no brgemm backward-weights kernel for AVX2
+    (HSW, "gemm"),
+    (SKX, "tensorflow"),
+    (SPR, "tensorflow"),
+    (OLD, "tensorflow"),  # not measured
+    (None, "tensorflow"),  # not checked
+])
+def test_conv_weight_grad_auto_takes_matmuls_on_avx2_only(cpu, expected):
+    plan = plan_threads(TuningConfig(), 2, "x", cpu=cpu)
+    assert plan.conv_weight_grad == expected
+    assert plan.why("conv_weight_grad").startswith("auto: ")
+    assert f"conv weight gradient {expected}" in plan.describe()
+
+
+def test_conv_weight_grad_job_setting_wins_and_onednn_off_keeps_tensorflow():
+    assert plan_threads(TuningConfig(conv_weight_grad="gemm"), 2, "x", cpu=SPR).conv_weight_grad == "gemm"
+    forced = plan_threads(TuningConfig(conv_weight_grad="tensorflow"), 2, "x", cpu=EPYC_AVX2)
+    assert forced.conv_weight_grad == "tensorflow" and forced.why("conv_weight_grad").startswith("job: ")
+    assert plan_threads(TuningConfig(onednn=False), 2, "x", cpu=EPYC_AVX2).conv_weight_grad == "tensorflow"
+    with pytest.raises(JobError, match="^tuning.conv_weight_grad must be one of auto, tensorflow, gemm; "
+                                       "got 'im2col'$"):
+        load_job("hep", ["tuning.conv_weight_grad=im2col"])
+
+
+def test_onednn_isa_cap_is_the_cpu_every_rule_sees(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text(CPUINFO)
+    assert read_cpuinfo(path, env={}).vector_isa == "amx"
+    avx2 = read_cpuinfo(path, env={"ONEDNN_MAX_CPU_ISA": "avx2"})
+    assert avx2.vector_isa == "avx2" and avx2.bf16_unit == "none" and not avx2.bf16
+    assert plan_threads(TuningConfig(), 2, "x", cpu=avx2).conv_weight_grad == "gemm"
+    assert precision_refusal(TuningConfig(precision="mixed_bfloat16"), avx2) is not None
+    assert read_cpuinfo(path, env={"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}).bf16_unit == "AVX512_BF16"
+    assert capped_cpu(SPR, "AVX512_CORE").vector_isa == "avx512"
+    assert capped_cpu(SPR, "ALL") == SPR and capped_cpu(SPR, "") == SPR
