@@ -59,7 +59,7 @@ def classify(name: str, op_type: str) -> tuple[str, str]:
         return "dropout mask", ""
     if "Conv2DBackpropInput" in t or ("Conv2D" in t and "BackpropInput" in name):
         return "conv backward input", layer
-    if "Conv2DBackpropFilter" in t:
+    if "Conv2DBackpropFilter" in t or "gemm_weight_grad" in name:  # or tuning.conv_weight_grad's matmuls
         return "conv backward filter", layer
     if "Conv2D" in t:  # Conv2D, _FusedConv2D, _MklNativeConv2D, _MklNativeFusedConv2D...
         return "conv forward", layer

@@ -73,16 +73,19 @@ def _gemm_applies(x: tf.Tensor, kernel: int, stride: int) -> bool:
             and c_in >= GEMM_MIN_IN_CHANNELS and h * w >= GEMM_MIN_PIXELS)
 
 
-def _conv_with_gemm_weight_grad(x: tf.Tensor, w: tf.Tensor, b: tf.Tensor, kernel: int) -> tf.Tensor:
+def _conv_with_gemm_weight_grad(x: tf.Tensor, w: tf.Tensor, b: tf.Tensor, kernel: int, name: str) -> tf.Tensor:
     """conv2d(x, w) + b, its weight gradient by conv_weight_grad_gemm. The bias is inside so that
-    grappler still fuses the convolution with it."""
+    grappler still fuses the convolution with it. A custom gradient runs outside the layer's name
+    scope, so its ops carry the layer's name (bench/profile_step.py classes ops by it)."""
 
     @tf.custom_gradient
     def conv(x, w, b):
         def grad(dz):
             dx = tf.raw_ops.Conv2DBackpropInput(input_sizes=tf.shape(x), filter=w, out_backprop=dz,
-                                                strides=[1, 1, 1, 1], padding="SAME")
-            return dx, conv_weight_grad_gemm(x, dz, kernel), tf.reduce_sum(dz, axis=[0, 1, 2])
+                                                strides=[1, 1, 1, 1], padding="SAME", name=f"{name}_input_grad")
+            with tf.name_scope(f"{name}_gemm_weight_grad"):
+                dw = conv_weight_grad_gemm(x, dz, kernel)
+            return dx, dw, tf.reduce_sum(dz, axis=[0, 1, 2], name=f"{name}_bias_grad")
 
         return tf.nn.conv2d(x, w, 1, "SAME") + b, grad
 
@@ -109,7 +112,7 @@ class Conv2D(tf.Module):
         # primitive either way, and bias_add's BiasAddGrad made the step slower (README Figures).
         with self.name_scope:  # op names carry the layer (conv0/...): the profile table's rows
             if _CONV_WEIGHT_GRAD == "gemm" and _gemm_applies(x, self.kernel, self.stride):
-                return _conv_with_gemm_weight_grad(x, _as(self.w, x), _as(self.b, x), self.kernel)
+                return _conv_with_gemm_weight_grad(x, _as(self.w, x), _as(self.b, x), self.kernel, self.name)
             return tf.nn.conv2d(x, _as(self.w, x), self.stride, "SAME") + _as(self.b, x)
 
     def output_hw(self, h: int, w: int) -> tuple[int, int]:

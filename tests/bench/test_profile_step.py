@@ -15,6 +15,11 @@ from bench.profile_step import classify, parse_onednn_verbose
     ("gradient_tape/conv1/add/Sum", "Sum", ("ReLU and bias", "")),
     ("gradient_tape/conv1_relu/ReluGrad", "ReluGrad", ("ReLU and bias", "")),
     ("MaxPool_2", "_MklNativeMaxPool", ("pooling", "")),
+    # tuning.conv_weight_grad = "gemm": the layer's custom gradient names its ops
+    ("conv1_gemm_weight_grad/MatMul_4", "_MklMatMul", ("conv backward filter", "conv1")),
+    ("conv1_gemm_weight_grad/Pad_1", "Pad", ("conv backward filter", "conv1")),
+    ("conv1_input_grad", "_MklNativeConv2DBackpropInput", ("conv backward input", "conv1")),
+    ("conv1_bias_grad", "Sum", ("ReLU and bias", "")),
     ("dropout_2/random_uniform/RandomUniform", "RandomUniform", ("dropout random numbers", "")),
     ("gradient_tape/dropout/SelectV2", "SelectV2", ("dropout mask", "")),
     ("adam/mul_3", "Mul", ("Adam update", "")),
