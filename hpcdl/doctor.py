@@ -16,6 +16,7 @@ from hpcdl.engine.tuning import (
     cgroup_cpu_quota,
     loaded_openmp_runtimes,
     onednn_enabled,
+    onednn_isa_cap,
     openblas_coretype,
     plan_for_this_process,
     read_cpuinfo,
@@ -67,6 +68,8 @@ def report(setup: RankSetup) -> dict[str, Any]:
         "cpu_model": cpu.model,
         "cpu_vector_isa": cpu.vector_isa,
         "cpu_bfloat16": bf16_label(cpu),
+        "onednn_max_cpu_isa": (f"{onednn_isa_cap(os.environ)}: the CPU rules read the flags it leaves"
+                               if onednn_isa_cap(os.environ) else "not set"),
         "usable_cores": usable,
         "usable_cores_why": (f"affinity mask {mask} CPUs" +
                              (f", cgroup quota {quota:g} CPUs" if quota is not None else ", no cgroup quota")),
@@ -81,6 +84,8 @@ def report(setup: RankSetup) -> dict[str, Any]:
         "data_format": "NHWC (hpcdl's layers; oneDNN's native CPU input layout)",
         "precision": plan.precision,
         "precision_why": plan.why("precision"),
+        "conv_weight_grad": plan.conv_weight_grad,
+        "conv_weight_grad_why": plan.why("conv_weight_grad"),
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
         "KMP_AFFINITY": os.environ.get("KMP_AFFINITY"),
         "KMP_AFFINITY_why": plan.why("kmp_affinity"),

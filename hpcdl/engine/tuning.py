@@ -350,8 +350,8 @@ def plan_conv_weight_grad(tuning: TuningConfig, cpu: CpuInfo | None) -> tuple[st
         return "tensorflow", "auto: CPU not checked"
     if cpu.vector_isa == "avx2":
         return "gemm", ("auto: AVX2 without AVX-512: oneDNN has no brgemm backward-weights kernel there, and "
-                        "the large layers' weight gradient as matmuls made the HEP step 0.91x as "
-                        "long (README Figures)")
+                        "the large layers' weight gradient as matmuls made the HEP step 0.86x as "
+                        "long on that code path (README Figures)")
     return "tensorflow", f"auto: {cpu.vector_isa}: oneDNN's backward-weights kernel is the faster one"
 
 
