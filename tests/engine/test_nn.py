@@ -118,3 +118,24 @@ def test_gemm_weight_grad_leaves_the_layers_where_it_was_slower(gemm_weight_grad
 def test_set_conv_weight_grad_refuses_other_values():
     with pytest.raises(ValueError, match="'tensorflow' or 'gemm'"):
         nn.set_conv_weight_grad("auto")
+
+
+def test_hep_network_gradients_are_the_same_with_gemm_weight_grad(gemm_weight_grad):
+    # at 224² the second convolution (112², 64 channels here) is a layer "gemm" takes
+    model = HepCNN(HepModelConfig(filters=64), (224, 224, 3), seed=3)
+    x = tf.constant(np.random.default_rng(2).random((1, 224, 224, 3)), tf.float32)
+    variables = [v for _, v in model.named_variables()]
+
+    def grads():
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(model(x) * [1.0, -1.0])
+            return tape.gradient(loss, variables)
+        return step(x)
+
+    got = grads()
+    nn.set_conv_weight_grad("tensorflow")
+    for (name, _), g, r in zip(model.named_variables(), got, grads()):
+        scale = float(tf.reduce_max(tf.abs(r))) or 1.0
+        np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-3, atol=1e-4 * scale, err_msg=name)
