@@ -33,7 +33,7 @@ class Workload(ABC):
 
     name: str
     DataConfig: type
-    ModelConfig: type
+    ModelConfig: type  # with cost(input_shape) -> (FlopCount per example, parameters), no TensorFlow
     # Compute dtypes build_model accepts (Keras policy compute_dtype; the variables stay float32).
     compute_dtypes: tuple[str, ...] = ("float32",)
     # `hpcdl data generate`: what the generator counts (its CLI option, e.g. --events) and the
@@ -65,10 +65,10 @@ class Workload(ABC):
 
     def network_cost(self, job) -> tuple[float, int]:
         """(training FLOPs per example, parameters) of the job's network at its data's input shape,
-        for the planner; this builds the model (TensorFlow). Unreadable data: DataFileError/OSError."""
-        model = self.build_model(job.model, self.input_shape(job), seed=0)
-        params = sum(int(v.shape.num_elements()) for _, v in model.named_variables())
-        return float(model.flops().training), params
+        for the planner and submit: counted, not built (no TensorFlow). Unreadable data:
+        DataFileError/OSError."""
+        flops, params = job.model.cost(self.input_shape(job))
+        return float(flops.training), params
 
     @abstractmethod
     def train_batches(self, job, stats: dict[str, Any], shard: int, shards: int, seed: int) -> Iterator[tuple]:

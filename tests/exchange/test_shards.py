@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +16,7 @@ from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
 from hpcdl.exchange.group import ExchangeSync, record_partition
 from hpcdl.runs import create_run, read_jsonl
-from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
+from tests.conftest import HPCDL, REPO, set_args, tiny_overrides, wait_for
 
 F4 = "<f4"
 
@@ -275,6 +276,22 @@ def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
     prepare("climate", base + ["run.check_data=false", 'data.train="/nonexistent/train.h5"'],
             cluster={"cores": 64}, on_note=notes.append)
     assert any("the HEP network at 224² (data.train not readable here)" in n for n in notes), notes
+
+
+def test_auto_shards_at_submit_does_not_load_tensorflow(tmp_path):
+    from hpcdl.workloads.climate.generate import generate
+
+    climate = generate(tmp_path / "climate", 12, height=32, width=48, labelled_fraction=0.5, seed=1)
+    code = (
+        "import sys\n"
+        "from hpcdl.submit import prepare\n"
+        f"job = prepare('climate', ['run.runs_dir=\"{tmp_path}\"', 'run.backend=local', 'run.nodes=4',"
+        f" 'run.group_size=1', 'exchange.shards=\"auto\"', 'data.train=\"{climate['train']}\"'], "
+        "cluster={'cores': 64}).job\n"
+        "assert isinstance(job.exchange.shards, int), job.exchange.shards\n"
+        "assert 'tensorflow' not in sys.modules, 'submit imported TensorFlow'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "257", "1.5", "true", '"many"'])

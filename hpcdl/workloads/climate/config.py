@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpcdl.config import JobError
+from hpcdl.engine import flops as count
+from hpcdl.engine.flops import FlopCount
+from hpcdl.workloads.climate.data import NUM_CLASSES
+
+#: Detection head channels per cell: objectness, centre (y, x), log size (h, w), class logits.
+HEAD_CHANNELS = 5 + NUM_CLASSES
 
 
 @dataclass(frozen=True)
@@ -67,3 +73,30 @@ class ClimateModelConfig:
             raise JobError(f"model.nms_iou must be in (0, 1], got {self.nms_iou}")
         if self.max_detections < 1:
             raise JobError(f"model.max_detections must be >= 1, got {self.max_detections}")
+
+    def cost(self, input_shape) -> tuple[FlopCount, int]:
+        """FLOPs per example and parameter count of the network at `input_shape` (H, W, C),
+        without TensorFlow: `ClimateNet.flops()` and the planner both count with it.
+
+        Stride-2 'same' encoder convolutions, stride-1 grid convolutions and the 1×1 head at the
+        grid's resolution; the decoder's transposed convolutions only when it is run
+        (reconstruction_weight > 0), though its parameters always exist.
+        """
+        h, w, c = (int(x) for x in input_shape)
+        chans, k = [c, *self.filters], self.kernel
+        total, params = count.ZERO, 0
+        for i in range(len(self.filters)):
+            h, w = -(-h // 2), -(-w // 2)
+            total = total + count.conv(h, w, k, chans[i], chans[i + 1], needs_input_grad=i > 0)
+            params += 2 * (k * k * chans[i] * chans[i + 1]) + chans[i + 1] + chans[i]  # and its decoder mirror
+        top = chans[-1]
+        for _ in range(self.grid_convs):
+            total = total + count.conv(h, w, k, top, top)
+            params += k * k * top * top + top
+        total = total + count.conv(h, w, 1, top, HEAD_CHANNELS)
+        params += top * HEAD_CHANNELS + HEAD_CHANNELS
+        if self.reconstruction_weight > 0:
+            for i in reversed(range(len(self.filters))):
+                total = total + count.conv(h, w, k, chans[i + 1], chans[i])
+                h, w = 2 * h, 2 * w
+        return total, params

@@ -31,13 +31,12 @@ import math
 
 import tensorflow as tf
 
-from hpcdl.engine.flops import ZERO, FlopCount
+from hpcdl.engine.flops import FlopCount
 from hpcdl.engine.nn import Conv2D, Conv2DTranspose, named_variables
 from hpcdl.workloads.base import Model
-from hpcdl.workloads.climate.config import ClimateModelConfig
-from hpcdl.workloads.climate.data import CHANNELS, NUM_CLASSES
+from hpcdl.workloads.climate.config import HEAD_CHANNELS, ClimateModelConfig
+from hpcdl.workloads.climate.data import CHANNELS
 
-HEAD_CHANNELS = 5 + NUM_CLASSES
 OBJECT_PRIOR = 0.01
 
 
@@ -108,19 +107,7 @@ class ClimateNet(tf.Module, Model):
         return [v for d in self.decoder for v in (d.w, d.b)]
 
     def flops(self) -> FlopCount:
-        h, w, _ = self.image_shape
-        total = ZERO
-        for i, conv in enumerate(self.encoder):
-            total = total + conv.flops(h, w, needs_input_grad=i > 0)
-            h, w = conv.output_hw(h, w)
-        for conv in self.grid_convs:
-            total = total + conv.flops(h, w)
-        total = total + self.head.flops(h, w)
-        if self.reconstructs:
-            for deconv in self.decoder:
-                total = total + deconv.flops(h, w)
-                h, w = h * deconv.stride, w * deconv.stride
-        return total
+        return self.config.cost(self.image_shape)[0]
 
     def named_variables(self) -> list[tuple[str, tf.Variable]]:
         return named_variables(self)

@@ -45,10 +45,6 @@ class HepWorkload(Workload):
     def input_shape(self, job) -> tuple[int, int, int]:
         return tuple(hepdata.open_hep(job.data.train).image_shape)
 
-    def network_cost(self, job) -> tuple[float, int]:
-        flops, params = job.model.cost(self.input_shape(job))  # counted, not built: no TensorFlow
-        return float(flops.training), params
-
     def build_model(self, model_config, input_shape, seed: int, compute_dtype: str = "float32"):
         from hpcdl.workloads.hep.model import HepCNN
 

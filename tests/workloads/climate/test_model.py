@@ -50,6 +50,14 @@ def test_flops_by_hand():
     assert sup.flops().backward == enc0 + 2 * (enc1 + grid0 + head)
 
 
+@pytest.mark.parametrize("config, shape", [(SMALL, (16, 24, 16)), (SMALL, (21, 30, 16)),
+                                           (ClimateModelConfig(reconstruction_weight=0.0), (33, 47, 16))])
+def test_the_configs_count_is_the_built_networks(config, shape):
+    _, params = config.cost(shape)  # what submit and the planner use, without TensorFlow
+    net = ClimateNet(config, shape)
+    assert params == sum(int(v.shape.num_elements()) for _, v in net.named_variables())
+
+
 def test_named_variables_are_stable():
     names = [n for n, _ in ClimateNet(SMALL, (16, 24, 16)).named_variables()]
     assert names == sorted(names) and len(names) == len(set(names)) == 2 * (2 + 1 + 1 + 2)
