@@ -18,6 +18,9 @@ step times (variant / reference). Choices:
   `tuning.conv_weight_grad = "gemm"`, hpcdl.engine.nn.conv_weight_grad_gemm on the layers it
   takes. That is the choice for AVX2 CPUs, where this oneDNN has no brgemm backward-weights
   kernel; `ONEDNN_MAX_CPU_ISA=AVX2` runs that code path on a newer CPU.
+* order "relu_pool": conv + bias + ReLU (fused), then max-pooling; "pool_relu": max-pooling,
+  then ReLU. The same function (the ReLU is monotone, so it commutes with the max) and the same
+  gradient, with the ReLU and its gradient on a quarter of the elements.
 
 Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are bench/run.py's tuning
 section (one process per setting), not a variant here.
@@ -40,12 +43,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-VARIANTS = {  # name: (dropout, bias, adam, wgrad)
-    "reference": ("tf", "add", "loop", "tensorflow"),
-    "dropout_bits16": ("bits16", "add", "loop", "tensorflow"),
-    "bias_add": ("tf", "bias_add", "loop", "tensorflow"),
-    "fused_adam": ("tf", "add", "fused", "tensorflow"),
-    "gemm_wgrad": ("tf", "add", "loop", "gemm"),
+REFERENCE = {"dropout": "tf", "bias": "add", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool"}
+VARIANTS = {  # name: what it changes from the reference
+    "reference": {},
+    "dropout_bits16": {"dropout": "bits16"},
+    "bias_add": {"bias": "bias_add"},
+    "fused_adam": {"adam": "fused"},
+    "gemm_wgrad": {"wgrad": "gemm"},
+    "pool_then_relu": {"order": "pool_relu"},
 }
 
 
@@ -76,7 +81,7 @@ def build(args):
     configure_tensorflow(plan)
     model = HepCNN(HepModelConfig(filters=args.filters), (args.image, args.image, 3), seed=0)
     variables = [v for _, v in model.named_variables()]
-    adam = Adam(variables, 1e-3)
+    optimizer = Adam(variables, 1e-3)
     rate = model.config.dropout
     gen = tf.random.Generator.from_non_deterministic_state()
     threshold = round(rate * 65536)
@@ -102,8 +107,20 @@ def build(args):
                                              beta2_power=self.beta2 ** t, lr=self.learning_rate, beta1=self.beta1,
                                              beta2=self.beta2, epsilon=self.epsilon, grad=g)
 
-    def variant(dropout, bias, opt, wgrad):
+    class PoolThenReluCNN(HepCNN):
+        def __call__(self, x, training=False):
+            pool = self.config.pool
+            for conv in self.convs[:-1]:
+                x = tf.nn.relu(tf.nn.max_pool2d(conv(x), pool, pool, "VALID"), name=f"{conv.name}_relu")
+                if training and self.config.dropout > 0:
+                    x = self._dropout(x)
+            x = tf.nn.relu(self.convs[-1](x), name=f"{self.convs[-1].name}_relu")
+            return self.head(tf.reduce_mean(x, axis=[1, 2]))
+
+    def variant(dropout, bias, adam, wgrad, order):
         m = copy.copy(model)
+        if order == "pool_relu":
+            m.__class__ = PoolThenReluCNN
         if dropout == "bits16":
             m._dropout = bits16
         if bias == "bias_add":
@@ -112,9 +129,9 @@ def build(args):
                 c = copy.copy(conv)
                 c.__class__ = BiasAddConv2D
                 m.convs.append(c)
-        o = adam
-        if opt == "fused":
-            o = copy.copy(adam)
+        o = optimizer
+        if adam == "fused":
+            o = copy.copy(optimizer)
             o.__class__ = FusedAdam
 
         step = make_train_step(lambda batch: WORKLOAD.loss(m, batch, training=True), variables, o)
@@ -127,7 +144,7 @@ def build(args):
     rng = np.random.default_rng(0)
     batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
              (np.arange(args.batch) % 2).astype(np.int32), np.ones(args.batch, np.float32))
-    steps = {name: variant(*choice) for name, choice in VARIANTS.items() if name in args.variants}
+    steps = {name: variant(**{**REFERENCE, **change}) for name, change in VARIANTS.items() if name in args.variants}
     return plan, model, steps, batch
 
 
@@ -178,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [a / b for a, b in zip(times[name], ref)]
         cpu_ratios = [a / b for a, b in zip(cpu_times[name], cpu_times["reference"])]
         med = statistics.median(times[name])
-        out["variants"][name] = {"choice": dict(zip(("dropout", "bias", "adam", "wgrad"), VARIANTS[name])),
+        out["variants"][name] = {"choice": {**REFERENCE, **VARIANTS[name]},
                                  "seconds": times[name], "cpu_seconds": cpu_times[name], "ratios": ratios,
                                  "ratio_median": statistics.median(ratios), "cpu_ratios": cpu_ratios,
                                  "cpu_ratio_median": statistics.median(cpu_ratios),
