@@ -33,11 +33,11 @@ The rules (all pure functions below, tested in tests/engine/test_tuning.py):
   where there are some), so no model code changes. float32 sets the mode to STRICT, so a stray
   ONEDNN_DEFAULT_FPMATH_MODE in the user's environment cannot lower the precision unannounced.
 * conv_weight_grad "auto": "gemm" where oneDNN runs AVX2 code (the CPU has AVX2 and no AVX-512,
-  or ONEDNN_MAX_CPU_ISA caps it there: every rule reads the CPU as capped), else "tensorflow". This TensorFlow's oneDNN has its
-  brgemm backward-weights convolution for AVX-512 and AMX only; on AVX2 it falls back to an
-  older kernel that ran the large layers' weight gradient at half the forward's rate or less,
-  and nine matmuls do better there (hpcdl.engine.nn.conv_weight_grad_gemm says which layers).
-  On AVX-512 oneDNN's own kernel is faster, so "gemm" is never chosen there.
+  or ONEDNN_MAX_CPU_ISA caps it there: every rule reads the CPU as capped), else "tensorflow".
+  This TensorFlow's oneDNN has its brgemm backward-weights convolution for AVX-512 and AMX only;
+  on AVX2 it falls back to an older kernel that ran the large layers' weight gradient at half
+  the forward's rate or less, and k² matmuls do better there (hpcdl.engine.nn says which
+  layers). On AVX-512 and AMX oneDNN's own kernel is faster, so "gemm" is not chosen there.
 
 The figures behind these rules, with the CPUs they were measured on, are in README's Figures and
 bench/results/.
