@@ -282,7 +282,10 @@ def main() -> int:
     parser.add_argument("--conv-weight-grad", default="auto", help="tf: tuning.conv_weight_grad")
     parser.add_argument("--env", action="append", default=[], help="tf: KEY=VALUE set before TensorFlow loads")
     parser.add_argument("--image", type=int, default=224)
+    parser.add_argument("--cpus", default="", help="tf: run on these CPUs only (a rank's share: 0,1)")
     args = parser.parse_args()
+    if args.cpus:  # before the plan, which counts the CPUs this process may use
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     probe = NumpyProbe(args) if args.role == "numpy" else TfProbe(args)
     reply({"ready": True, **probe.info({})})
     for line in sys.stdin:

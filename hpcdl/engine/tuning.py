@@ -208,6 +208,46 @@ def affinity_cores() -> int:
         return os.cpu_count() or 1
 
 
+def parse_cpulist(text: str) -> frozenset[int]:
+    """A kernel CPU list ("0-3,8,10-11") as a set of CPU numbers; "" is the empty set."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
+def numa_domains(root: str | os.PathLike[str] = "/sys/devices/system/node") -> list[frozenset[int]]:
+    """The CPUs of each NUMA node with CPUs, in node order ([] where the system does not say)."""
+    domains = []
+    for node in sorted(Path(root).glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        try:
+            cpus = parse_cpulist((node / "cpulist").read_text())
+        except (OSError, ValueError):
+            continue
+        if cpus:
+            domains.append(cpus)
+    return domains
+
+
+def rank_layouts(cpus: list[int], domains: list[frozenset[int]]) -> dict[str, list[list[int]]]:
+    """Ways to lay ranks on these CPUs, each a list of the CPU sets of its ranks: one rank on all
+    of them, two ranks on halves, and one rank per NUMA domain (the CPUs of each domain that are
+    in `cpus`) when they span more than one."""
+    cpus = sorted(cpus)
+    layouts = {f"1x{len(cpus)}": [cpus]}
+    if len(cpus) >= 2:
+        half = len(cpus) // 2
+        layouts[f"2x{half}"] = [cpus[:half], cpus[half:2 * half]]
+    per_domain = [sorted(set(cpus) & d) for d in domains]
+    per_domain = [d for d in per_domain if d]
+    if len(per_domain) > 1 and len({len(d) for d in per_domain}) == 1:
+        layouts[f"{len(per_domain)}x{len(per_domain[0])} (a rank per NUMA domain)"] = per_domain
+    return layouts
+
+
 def usable_cores(affinity: int | None = None, quota: float | None = None) -> int:
     """CPUs this process can use: the affinity mask, capped by a cgroup CPU quota (at least 1).
 

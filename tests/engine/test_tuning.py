@@ -309,3 +309,31 @@ def test_onednn_isa_cap_is_the_cpu_every_rule_sees(tmp_path):
     assert read_cpuinfo(path, env={"DNNL_MAX_CPU_ISA": "AVX512_CORE_BF16"}).bf16_unit == "AVX512_BF16"
     assert capped_cpu(SPR, "AVX512_CORE").vector_isa == "avx512"
     assert capped_cpu(SPR, "ALL") == SPR and capped_cpu(SPR, "") == SPR
+
+
+# -- rank layouts (bench/run.py's layout section) ---------------------------------------------
+
+
+def test_cpulists_and_numa_domains(tmp_path):
+    from hpcdl.engine.tuning import numa_domains, parse_cpulist
+
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11} and parse_cpulist("") == frozenset()
+    for node, cpus in (("node0", "0-3"), ("node1", "4-7"), ("node2", ""), ("node10", "8-11")):
+        (tmp_path / node).mkdir()
+        (tmp_path / node / "cpulist").write_text(cpus + "\n")
+    (tmp_path / "possible").write_text("0-2\n")  # not a node
+    assert numa_domains(tmp_path) == [frozenset(range(4)), frozenset(range(4, 8)), frozenset(range(8, 12))]
+    assert numa_domains(tmp_path / "missing") == []
+
+
+def test_rank_layouts():
+    from hpcdl.engine.tuning import rank_layouts
+
+    assert rank_layouts([0], [frozenset({0})]) == {"1x1": [[0]]}
+    assert rank_layouts([1, 0], []) == {"1x2": [[0, 1]], "2x1": [[0], [1]]}
+    four_domains = [frozenset(range(i, i + 16)) for i in range(0, 64, 16)]
+    layouts = rank_layouts(list(range(64)), four_domains)
+    assert list(layouts) == ["1x64", "2x32", "4x16 (a rank per NUMA domain)"]
+    assert layouts["4x16 (a rank per NUMA domain)"][2] == list(range(32, 48))
+    # a mask that covers the domains unevenly gets no per-domain layout
+    assert list(rank_layouts(list(range(20)), four_domains)) == ["1x20", "2x10"]
