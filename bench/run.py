@@ -481,6 +481,8 @@ def section_layout(b: Bench) -> None:
             res["layouts"][name] = {"cpus": cpu_sets, "batch_per_rank": batch, "images_per_s": [],
                                     "plans": [r.info["plan"] for r in ranks]}
         names = list(running)
+        if not names:
+            return
         for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 ranks, entry = running[name], res["layouts"][name]
@@ -496,8 +498,6 @@ def section_layout(b: Bench) -> None:
         for ranks in running.values():
             for rank in ranks:
                 rank.close()
-    if not running:
-        return
     one = res["layouts"][names[0]]["images_per_s"]
     for name in names:
         entry = res["layouts"][name]
