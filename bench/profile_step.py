@@ -57,6 +57,8 @@ def classify(name: str, op_type: str) -> tuple[str, str]:
         if t.startswith("Random") or "Stateless" in t or "RngRead" in t or "Philox" in t:
             return "dropout random numbers", ""
         return "dropout mask", ""
+    if "bias_grad" in name:  # hpcdl.engine.nn.bias_grad's matmul
+        return "ReLU and bias", ""
     if "Conv2DBackpropInput" in t or ("Conv2D" in t and "BackpropInput" in name):
         return "conv backward input", layer
     if "Conv2DBackpropFilter" in t or "gemm_weight_grad" in name:  # or tuning.conv_weight_grad's matmuls

@@ -10,8 +10,9 @@ step times (variant / reference). Choices:
   "bits16": 16 random bits per element (one 32-bit Philox word serves two elements), kept where
   bits >= round(rate·2¹⁶), scaled by the mask's exact 1/keep — still independent Bernoulli
   dropout, with the rate rounded to 1/65536.
-* bias "add": conv + a broadcast add (the bias gradient is a Sum); "bias_add": tf.nn.bias_add
-  (its gradient is BiasAddGrad).
+* bias "matmul_grad": hpcdl.engine.nn.add_bias, a broadcast add whose gradient is a matmul of a
+  row of ones by the output gradient's rows; "sum_grad": the plain broadcast add (its gradient
+  is TensorFlow's Sum); "bias_add": tf.nn.bias_add (its gradient is BiasAddGrad).
 * adam "loop": hpcdl.engine.optim.Adam's element-wise ops per variable; "fused": one ResourceApplyAdam
   per variable (the same formula).
 * wgrad "tensorflow": Conv2DBackpropFilter (oneDNN's backward-weights kernel); "gemm":
@@ -43,11 +44,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-REFERENCE = {"dropout": "tf", "bias": "add", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool"}
+REFERENCE = {"dropout": "tf", "bias": "matmul_grad", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool"}
 VARIANTS = {  # name: what it changes from the reference
     "reference": {},
     "dropout_bits16": {"dropout": "bits16"},
     "bias_add": {"bias": "bias_add"},
+    "bias_grad_sum": {"bias": "sum_grad"},
     "fused_adam": {"adam": "fused"},
     "gemm_wgrad": {"wgrad": "gemm"},
     "pool_then_relu": {"order": "pool_relu"},
@@ -98,6 +100,11 @@ def build(args):
             with self.name_scope:
                 return tf.nn.bias_add(tf.nn.conv2d(x, self.w, self.stride, "SAME"), self.b)
 
+    class SumBiasGradConv2D(Conv2D):
+        def __call__(self, x):
+            with self.name_scope:
+                return tf.nn.conv2d(x, self.w, self.stride, "SAME") + self.b
+
     class FusedAdam(Adam):
         def _apply(self, grads, variables):
             self.iterations.assign_add(1)
@@ -123,11 +130,11 @@ def build(args):
             m.__class__ = PoolThenReluCNN
         if dropout == "bits16":
             m._dropout = bits16
-        if bias == "bias_add":
+        if bias != "matmul_grad":
             m.convs = []
             for conv in model.convs:
                 c = copy.copy(conv)
-                c.__class__ = BiasAddConv2D
+                c.__class__ = BiasAddConv2D if bias == "bias_add" else SumBiasGradConv2D
                 m.convs.append(c)
         o = optimizer
         if adam == "fused":

@@ -19,7 +19,7 @@ from bench.profile_step import classify, parse_onednn_verbose
     ("conv1_gemm_weight_grad/MatMul_4", "_MklMatMul", ("conv backward filter", "conv1")),
     ("conv1_gemm_weight_grad/Pad_1", "Pad", ("conv backward filter", "conv1")),
     ("conv1_input_grad", "_MklNativeConv2DBackpropInput", ("conv backward input", "conv1")),
-    ("conv1_bias_grad", "Sum", ("ReLU and bias", "")),
+    ("bias_grad/MatMul", "_MklMatMul", ("ReLU and bias", "")),
     ("dropout_2/random_uniform/RandomUniform", "RandomUniform", ("dropout random numbers", "")),
     ("gradient_tape/dropout/SelectV2", "SelectV2", ("dropout mask", "")),
     ("adam/mul_3", "Mul", ("Adam update", "")),

@@ -139,3 +139,23 @@ def test_hep_network_gradients_are_the_same_with_gemm_weight_grad(gemm_weight_gr
     for (name, _), g, r in zip(model.named_variables(), got, grads()):
         scale = float(tf.reduce_max(tf.abs(r))) or 1.0
         np.testing.assert_allclose(g.numpy(), r.numpy(), rtol=1e-3, atol=1e-4 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 3), (4, 6), (3, 2, 2, 2, 5)])
+def test_add_bias_gradient_is_the_sum_over_all_but_the_last_axis(shape):
+    rng = np.random.default_rng(len(shape))
+    z = tf.constant(rng.standard_normal(shape), tf.float32)
+    b = tf.constant(rng.standard_normal(shape[-1:]), tf.float32)
+    dy = tf.constant(rng.standard_normal(shape), tf.float32)
+
+    @tf.function
+    def grads(z, b):
+        with tf.GradientTape() as tape:
+            tape.watch([z, b])
+            y = nn.add_bias(z, b)
+        return y, tape.gradient(y, [z, b], output_gradients=dy)
+
+    y, (dz, db) = grads(z, b)
+    np.testing.assert_allclose(y.numpy(), (z + b).numpy())
+    np.testing.assert_allclose(dz.numpy(), dy.numpy())
+    np.testing.assert_allclose(db.numpy(), dy.numpy().reshape(-1, shape[-1]).sum(0), rtol=1e-5, atol=1e-5)
