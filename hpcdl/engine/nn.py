@@ -29,9 +29,8 @@ def _as(var: tf.Variable, x: tf.Tensor) -> tf.Tensor:
 #: layers where it was faster); set by hpcdl.engine.tuning.configure_tensorflow.
 _CONV_WEIGHT_GRAD = "tensorflow"
 
-#: The layers "gemm" takes over: on AVX2 (ONEDNN_MAX_CPU_ISA=AVX2, HEP step shapes, batch 32) the
-#: matmuls ran the 112² × 128 → 128 weight gradient 1.44x as fast as oneDNN, but 56² at 0.90x,
-#: 28² at 0.71x, and the 3-channel first layer at 0.84x (README Figures).
+#: The layers "gemm" takes over: on the AVX2 path the matmuls beat oneDNN on the HEP network's
+#: 112² layer only, not at 56² and below nor on its 3-channel first layer (README Figures).
 GEMM_MIN_PIXELS = 112 * 112
 GEMM_MIN_IN_CHANNELS = 64
 
@@ -94,8 +93,8 @@ def _conv_with_gemm_weight_grad(x: tf.Tensor, w: tf.Tensor, b: tf.Tensor, kernel
 
 def bias_grad(dy: tf.Tensor) -> tf.Tensor:
     """The gradient of a bias broadcast over all axes but the last: a row of ones times dy's rows.
-    A matmul, because TensorFlow's Sum over the leading axes ran 7x slower on the HEP network's
-    first activation gradient (206 against 30 ms at 32×224²×128) and took 12 % of the step."""
+    A matmul, because TensorFlow's Sum over the leading axes is several times slower on large
+    activation gradients (README Figures, "Cutting what is not compute")."""
     with tf.name_scope("bias_grad"):  # bench/profile_step.py classes its ops by this name
         rows = tf.reshape(dy, [-1, dy.shape[-1]])
         return tf.reshape(tf.matmul(tf.ones([1, tf.shape(rows)[0]], dy.dtype), rows), [-1])
