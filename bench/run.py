@@ -398,9 +398,9 @@ TUNING_VARIANTS = (
 def weight_grad_variant() -> tuple[str, str, list[str]]:
     """The convolutions' weight gradient that tuning.conv_weight_grad = "auto" does not take here."""
     from hpcdl.config import TuningConfig
-    from hpcdl.engine.tuning import plan_threads, read_cpuinfo
+    from hpcdl.engine.tuning import plan_conv_weight_grad, read_cpuinfo
 
-    mine = plan_threads(TuningConfig(), 2, "bench", cpu=read_cpuinfo()).conv_weight_grad
+    mine, _ = plan_conv_weight_grad(TuningConfig(), read_cpuinfo())
     other = "tensorflow" if mine == "gemm" else "gemm"
     return "weight_grad", f"conv weight gradient {other} (auto: {mine})", ["--conv-weight-grad", other]
 
