@@ -22,6 +22,10 @@ step times (variant / reference). Choices:
 * order "relu_pool": conv + bias + ReLU (fused), then max-pooling; "pool_relu": max-pooling,
   then ReLU. The same function (the ReLU is monotone, so it commutes with the max) and the same
   gradient, with the ReLU and its gradient on a quarter of the elements.
+* pool "max_pool2d": tf.nn.max_pool2d and its MaxPoolGrad (oneDNN); "pairwise": the 2×2 window
+  as two element-wise maxima over free reshapes of NHWC (rows, then the column pair side by side
+  in the channel axis), its gradient by the same comparisons (ties go to the first row, then
+  the first column: measure-zero after the ReLU, whose gradient is zero at a tie of zeros).
 
 Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are bench/run.py's tuning
 section (one process per setting), not a variant here.
@@ -44,7 +48,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-REFERENCE = {"dropout": "tf", "bias": "matmul_grad", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool"}
+REFERENCE = {"dropout": "tf", "bias": "matmul_grad", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool",
+             "pool": "max_pool2d"}
 VARIANTS = {  # name: what it changes from the reference
     "reference": {},
     "dropout_bits16": {"dropout": "bits16"},
@@ -53,6 +58,8 @@ VARIANTS = {  # name: what it changes from the reference
     "fused_adam": {"adam": "fused"},
     "gemm_wgrad": {"wgrad": "gemm"},
     "pool_then_relu": {"order": "pool_relu"},
+    "pairwise_pool": {"pool": "pairwise"},
+    "gemm_wgrad_pairwise_pool": {"wgrad": "gemm", "pool": "pairwise"},
 }
 
 
@@ -124,10 +131,39 @@ def build(args):
             x = tf.nn.relu(self.convs[-1](x), name=f"{self.convs[-1].name}_relu")
             return self.head(tf.reduce_mean(x, axis=[1, 2]))
 
-    def variant(dropout, bias, adam, wgrad, order):
+    @tf.custom_gradient
+    def pairwise_max_pool(x):
+        n, h, w, c = x.shape
+        rows = tf.reshape(x, [n, h // 2, 2, w // 2, 2 * c])  # a window's two rows, its two columns side by side
+        top, bottom = rows[:, :, 0], rows[:, :, 1]
+        columns = tf.maximum(top, bottom)
+        left, right = columns[..., :c], columns[..., c:]
+
+        def grad(dy):
+            to_left = left >= right
+            zero = tf.zeros_like(dy)
+            d_columns = tf.concat([tf.where(to_left, dy, zero), tf.where(to_left, zero, dy)], axis=-1)
+            to_top = top >= bottom
+            zero = tf.zeros_like(d_columns)
+            return tf.reshape(tf.stack([tf.where(to_top, d_columns, zero), tf.where(to_top, zero, d_columns)], axis=2),
+                              x.shape)
+        return tf.maximum(left, right), grad
+
+    class PairwisePoolCNN(HepCNN):
+        def __call__(self, x, training=False):
+            for conv in self.convs[:-1]:
+                x = pairwise_max_pool(tf.nn.relu(conv(x), name=f"{conv.name}_relu"))
+                if training and self.config.dropout > 0:
+                    x = self._dropout(x)
+            x = tf.nn.relu(self.convs[-1](x), name=f"{self.convs[-1].name}_relu")
+            return self.head(tf.reduce_mean(x, axis=[1, 2]))
+
+    def variant(dropout, bias, adam, wgrad, order, pool):
         m = copy.copy(model)
         if order == "pool_relu":
             m.__class__ = PoolThenReluCNN
+        if pool == "pairwise":
+            m.__class__ = PairwisePoolCNN
         if dropout == "bits16":
             m._dropout = bits16
         if bias != "matmul_grad":
