@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -25,8 +26,26 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
+class InputError(click.ClickException):
+    """Bad input: the one line ``Error: ...`` and exit 2 (no usage text around it)."""
+
+    exit_code = 2
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange without nan and inf (which pass its bounds, or mean nothing here)."""
+
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
+
+
 class HpcdlGroup(click.Group):
-    """Turns the library's input errors into one line and exit 2, and failures into exit 1."""
+    """Turns input errors into one line and exit 2, and failures into exit 1."""
 
     def invoke(self, ctx):
         from hpcdl.config import JobError
@@ -39,12 +58,17 @@ class HpcdlGroup(click.Group):
 
         try:
             return super().invoke(ctx)
+        except click.UsageError as exc:  # a subcommand's options, as click parsed them
+            raise InputError(exc.format_message()) from None
         except (JobError, RunError, EvaluateError, LaunchError) as exc:
-            raise click.UsageError(str(exc), ctx) from None
+            raise InputError(str(exc)) from None
         except SchedulerError as exc:
             raise click.ClickException(str(exc)) from None
         except (DataFileError, CorruptFile) as exc:  # a data file, or an exchange file, that is unusable
-            raise click.UsageError(str(exc), ctx) from None
+            raise InputError(str(exc)) from None
+        except OSError as exc:  # a path the user gave that cannot be written or read: full, read-only, ...
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise click.ClickException(f"{where}{exc.strerror or exc}") from None
 
 
 def _emit_json(data) -> None:
@@ -180,7 +204,7 @@ def _read_state(path: Path) -> dict:
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until the run ends (Ctrl-C stops).")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.2))
+@click.option("--interval", default=2.0, show_default=True, type=FiniteFloatRange(min=0.2))
 @click.option("--plot", type=click.Path(dir_okay=False, writable=True, path_type=Path),
               help="Also write the run's curves (loss, FLOP/s per group and in all, master versions) to this PNG.")
 def status(run, runs_dir, as_json, watch, interval, plot):
@@ -190,7 +214,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
     from hpcdl.status import collect
 
     if plot and watch:
-        raise click.UsageError("--plot writes one picture: use it without --watch")
+        raise InputError("--plot writes one picture: use it without --watch")
     run_dir = find_run(run, runs_dir)
     if plot:
         from hpcdl.progress_plot import plot_run
@@ -278,7 +302,7 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
 
     checkpoint = locate(checkpoint, runs_dir)
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
-        raise click.BadParameter("must end in .npz or .csv", param_hint="--scores-out")
+        raise InputError("--scores-out must end in .npz or .csv")
     from hpcdl.display import counting_progress
 
     progress, task = counting_progress(err, "scoring", None)
@@ -306,30 +330,37 @@ def data():
 @click.option("--images", type=click.IntRange(min=10), help="climate: images in total.")
 @click.option("--height", default=96, show_default=True, type=click.IntRange(min=16), help="climate: grid rows (latitude; the real set: 768).")
 @click.option("--width", default=144, show_default=True, type=click.IntRange(min=16), help="climate: grid columns (longitude; the real set: 1152).")
-@click.option("--labelled-fraction", default=0.2, show_default=True, type=click.FloatRange(0.0, 1.0), help="climate: share of training images that keep their boxes (val and test are fully labelled).")
+@click.option("--labelled-fraction", default=0.2, show_default=True, type=FiniteFloatRange(0.0, 1.0), help="climate: share of training images that keep their boxes (val and test are fully labelled).")
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--force", is_flag=True, help="Replace a data set already in --out (a run may be reading it).")
 @click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
 @click.pass_context
-def data_generate(ctx, workload, out_dir, seed, as_json, **given):
+def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
     """Write a physics-motivated synthetic data set in the published HDF5 layout: the NERSC
     RPV-SUSY layout for hep, the ExtremeWeather layout for climate."""
     from hpcdl.display import counting_progress
     from hpcdl.workloads import get_workload
+    from hpcdl.workloads.common import SPLITS
 
     w = get_workload(workload)
     count = given.pop(w.generate_count)
     if count is None:
-        raise click.UsageError(f"{workload} needs --{w.generate_count}")
+        raise InputError(f"{workload} needs --{w.generate_count}")
     for name in given:
         if name not in w.generate_options and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
-            raise click.UsageError(f"--{name.replace('_', '-')} is not an option of {workload}")
+            raise InputError(f"--{name.replace('_', '-')} is not an option of {workload}")
     options = {k: v for k, v in given.items() if k in w.generate_options}
+    present = [p.name for p in (out_dir / f"{split}.h5" for split in SPLITS) if p.exists()]
+    if present and not force:
+        raise InputError(f"{out_dir} already holds {', '.join(present)}: give --force to replace the set")
     progress, task = counting_progress(err, f"generating {w.generate_count}", count)
     with progress:
         try:
             files = w.generate(out_dir, count, seed=seed, progress=lambda n: progress.advance(task, n), **options)
         except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
+            raise InputError(str(exc)) from None
+        except MemoryError as exc:
+            raise click.ClickException(f"not enough memory for {count} {w.generate_count}: {exc}") from None
     if as_json:
         _emit_json({k: str(v) for k, v in files.items()})
     else:
@@ -342,12 +373,12 @@ def data_generate(ctx, workload, out_dir, seed, as_json, **given):
 @click.argument("workload", type=click.Choice(PLANNED_WORKLOADS))
 @click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
-@click.option("--node-flops", type=click.FloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
+@click.option("--node-flops", type=FiniteFloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
 @click.option("--groups", "group_counts", help="Comma-separated group counts to compare (default: divisors of --nodes up to 128).")
 @click.option("--set", "overrides", multiple=True, metavar="exchange.KEY=VALUE", help="An [exchange] field of the job to model, e.g. --set exchange.kind=delta --set exchange.every=8 (repeatable). Without --inputs the job's whole [exchange] section is read.")
-@click.option("--staleness-bound", default=8.0, show_default=True, type=click.FloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
-@click.option("--max-applier-util", default=0.5, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the applier's largest busy share.")
-@click.option("--max-exchange-share", default=0.05, show_default=True, type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the exchange's largest share of a group's time.")
+@click.option("--staleness-bound", default=8.0, show_default=True, type=FiniteFloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
+@click.option("--max-applier-util", default=0.5, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the applier's largest busy share.")
+@click.option("--max-exchange-share", default=0.05, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the exchange's largest share of a group's time.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
@@ -359,7 +390,7 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
     if inputs_spec and node_flops:
-        raise click.UsageError("give --inputs or --node-flops, not both")
+        raise InputError("give --inputs or --node-flops, not both")
     source = "--node-flops"
     if not inputs_spec and not node_flops:
         from hpcdl.perf.measure import measure_in_subprocess
@@ -379,7 +410,7 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
         result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
+        raise InputError(str(exc)) from None
     if as_json:
         _emit_json(result.to_dict())
         return

@@ -10,6 +10,7 @@ field's type, and an unknown key is an error that names it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import tomllib
 import typing
@@ -19,6 +20,7 @@ from typing import Any, Mapping
 
 import tomli_w
 
+from hpcdl.files import read_regular
 from hpcdl.resources import shipped_dir
 
 JOBS_DIR = shipped_dir("jobs")
@@ -366,8 +368,10 @@ def load_job(name_or_path: str, overrides: Mapping[str, str] | list[str] = ()) -
     """Read a job file, apply `section.key=value` overrides, validate, and freeze."""
     path = resolve_job_path(name_or_path)
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raw = tomllib.loads(read_regular(path).decode("utf-8"))
+    except OSError as exc:
+        raise JobError(f"cannot read job file {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise JobError(f"cannot read job file {path}: {exc}") from None
     raw.setdefault("name", path.stem)
     for key, value in _split_overrides(overrides):
@@ -475,6 +479,8 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise JobError(f"{name} must be a number, got {value!r}")
+        if not math.isfinite(value):  # no setting means anything at nan or inf; JSON cannot hold them
+            raise JobError(f"{name} must be a finite number, got {value!r}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):

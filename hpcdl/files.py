@@ -10,6 +10,9 @@
 * :func:`append_lines`: whole lines at the end of a file opened with ``O_APPEND``; a line torn by
   an earlier crash is terminated first, and a write that fails is cut off again, so the file
   stays a sequence of whole lines.
+* :func:`read_regular`: the bytes of a file hpcdl reads whole (job files, JSON records, planner
+  inputs), refused unless it is a regular file of bounded size: a symlink to ``/dev/zero`` or a
+  FIFO must not fill the memory or hang a command.
 
 Files get the mode of an :class:`hpcdl.runkey.Access` policy (owner-only by default), whatever
 the umask; :func:`atomic_path` without one follows the umask, like ``open(path, "w")``.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +31,9 @@ from typing import BinaryIO, Callable, Iterator
 from hpcdl.runkey import Access
 
 TMP_PREFIX = ".tmp-"
+
+# Larger than any record hpcdl writes (a job file, run.json, a state or stats file, a manifest).
+MAX_RECORD_BYTES = 16 << 20
 
 
 def temporary_for(path: Path) -> Path:
@@ -121,3 +128,38 @@ def append_lines(path: Path, data: bytes, *, access: Access, fsync: bool = False
         return start + len(data)
     finally:
         os.close(fd)
+
+
+def read_regular(path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES, *,
+                 tail: bool = False) -> bytes:
+    """The bytes of the regular file ``path``, at most ``max_bytes`` of them.
+
+    OSError (with ``strerror``) for a missing or unreadable file, for anything but a regular file
+    and for a larger one; with ``tail`` a larger file gives its last ``max_bytes`` instead (a log
+    read for its newest lines).
+    """
+    # O_NONBLOCK: opening a FIFO must not wait for a writer
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if info.st_size > max_bytes:
+            if not tail:
+                raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+            os.lseek(fd, info.st_size - max_bytes, os.SEEK_SET)
+        chunks, left = [], max_bytes + 1  # one more: a file that grew past the bound is caught
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        if not tail:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
+        data = data[-max_bytes:]
+    return data

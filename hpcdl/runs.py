@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpcdl.config import Job, JobError, job_from_dict
-from hpcdl.files import append_lines, atomic_write_bytes
+from hpcdl.files import append_lines, atomic_write_bytes, read_regular
 from hpcdl.runkey import KEY_FILE, Access, RunKeyError, access_for_job, create_key
 from hpcdl.storage import REPORT_FILE, StorageReport
 
@@ -417,7 +417,7 @@ def read_json_file(path: Path) -> Any:
     """A JSON file a command needs; a missing, unreadable or malformed one is a RunError of one
     line that names the file."""
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError as exc:
         raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
@@ -432,7 +432,7 @@ def read_json_file(path: Path) -> Any:
 def read_toml_file(path: Path) -> dict[str, Any]:
     """As read_json_file, for TOML."""
     try:
-        data = Path(path).read_bytes()
+        data = read_regular(path)
     except OSError as exc:
         raise RunError(f"cannot read {path}: {exc.strerror or exc}") from None
     try:
@@ -472,12 +472,16 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     append_lines(path, data, access=Access.of_directory(path.parent))
 
 
+# metrics.jsonl of a run of days is a few MB; beyond this its newest lines are read
+MAX_JSONL_BYTES = 64 << 20
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line; a torn last line (a writer killed mid-write) or a garbled one is
-    skipped."""
+    """Every complete line (of the newest MAX_JSONL_BYTES); a torn last line (a writer killed
+    mid-write), a first line cut by that bound or a garbled one is skipped."""
     try:
-        text = Path(path).read_text(errors="replace")
-    except (FileNotFoundError, IsADirectoryError):
+        text = read_regular(path, MAX_JSONL_BYTES, tail=True).decode("utf-8", errors="replace")
+    except OSError:  # missing, a directory, not a regular file: no records (yet)
         return []
     records = []
     for line in text.splitlines():

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from hpcdl.exchange.channel import applier_status_file
+from hpcdl.files import read_regular
 from hpcdl.runs import ENDED, FAILED, RunDir, State, read_jsonl
 from hpcdl.storage import REPORT_FILE, low_space, read_report
 
@@ -32,7 +33,7 @@ def _read_json(path) -> dict[str, Any] | None:
     """A file the run's processes keep rewriting (state, the applier's status): a torn or garbled
     one reads as missing; the next version will do."""
     try:
-        data = json.loads(path.read_bytes().decode("utf-8"))
+        data = json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None

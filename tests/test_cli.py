@@ -25,6 +25,7 @@ def assert_usage_error(code, output, fragment):
     assert fragment in output, output
     error_lines = [l for l in output.splitlines() if l.startswith("Error:")]
     assert len(error_lines) == 1, output
+    assert "Usage:" not in output and "Try " not in output, output  # the one line, nothing around it
 
 
 def submit_args(hep_files, runs, *extra, overrides=()):

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from hpcdl.config import DELTA_DTYPES, EXCHANGE_KINDS
+from hpcdl.files import read_regular
 from hpcdl.perf.model import hep_network
 
 
@@ -90,8 +91,9 @@ class PlanInputs:
     def __post_init__(self) -> None:
         for name in ("node_flops", "flops_per_example", "model_bytes", "allreduce_bandwidth",
                      "exchange_bandwidth", "applier_bytes_per_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
         for name in ("allreduce_latency", "exchange_latency", "straggler_sigma"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
@@ -272,9 +274,11 @@ class PlanInputs:
 
 def _read_table(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = read_regular(path, 1 << 20).decode("utf-8")
     except OSError as exc:
-        raise ValueError(f"cannot read planner inputs {path}: {exc}") from None
+        raise ValueError(f"cannot read planner inputs {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cannot parse planner inputs {path}: not UTF-8 text") from None
     try:
         raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:

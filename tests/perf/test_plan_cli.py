@@ -4,6 +4,7 @@ overrides it, the screen shows the H advice, and wrong input is one line with ex
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -77,9 +78,30 @@ def test_text_shows_the_inputs_the_table_the_advice_and_the_paper_check():
     (("--set", "exchange.every=0"), "exchange.every"),
     (("--inputs", "paper", "--set", "exchange.delta_dtype=float16"), "delta_dtype"),
     (("--max-applier-util", "1.5"), "max-applier-util"),
+    (("--staleness-bound", "nan"), "not a finite number"),
 ])
 def test_wrong_input_is_one_line_and_exit_2(args, match):
     extra = () if "--inputs" in args else ("--node-flops", "1e12")
     result = run("--nodes", "64", *extra, *args)
     assert result.exit_code == 2, result.output
     assert match in result.output and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("flops", ["inf", "nan"])
+def test_node_flops_must_be_finite(flops):
+    result = run("--nodes", "64", "--node-flops", flops)
+    assert result.exit_code == 2 and "not a finite number" in result.output, result.output
+
+
+@pytest.mark.parametrize("make", ["dev_zero", "fifo", "large"])
+def test_inputs_that_are_not_a_small_regular_file_are_one_line(tmp_path, make):
+    path = tmp_path / "inputs.json"
+    if make == "dev_zero":
+        path.symlink_to("/dev/zero")  # read whole, it would fill the memory
+    elif make == "fifo":
+        os.mkfifo(path)  # opened plainly, it would wait for a writer
+    else:
+        path.write_text("{" + " " * (2 << 20) + "}")
+    result = run("--nodes", "64", "--inputs", str(path))
+    assert result.exit_code == 2, result.output
+    assert "cannot read planner inputs" in result.output and "Traceback" not in result.output
