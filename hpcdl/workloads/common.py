@@ -9,7 +9,8 @@ This module owns, for :mod:`hpcdl.workloads.hep` and :mod:`hpcdl.workloads.clima
   event is set (:func:`feed_queue`, :func:`put_unless_halted`, :func:`drain_queue`, :data:`END`);
 * **the synthetic generators' arguments and files**: :func:`is_int`, :func:`check_seed`,
   :func:`check_splits` (train/val/test fractions and the split sizes they give) and
-  :func:`write_splits` (``train.h5``, ``val.h5``, ``test.h5``, each written atomically);
+  :func:`write_splits` (``train.h5``, ``val.h5``, ``test.h5``, replaced together, written in a
+  child process);
 * **atomic output files**: :func:`hpcdl.files.atomic_path`; PNG figures (:func:`new_figure`,
   :func:`save_png`); ``.npz``/``.csv`` result tables (:func:`table_format`, :func:`csv_lines`).
 
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tupl
 
 import numpy as np
 
-from hpcdl.files import atomic_path
+from hpcdl.files import atomic_path, fsync_dir, temporary_for
 
 if TYPE_CHECKING:
     import h5py
@@ -163,15 +164,21 @@ def check_splits(total: int, fractions, noun: str) -> Tuple[Tuple[float, ...], T
     return fr, sizes
 
 
-def write_splits(out_dir, sizes: Sequence[int],
-                 write_split: Callable[[Path, str, int, int], None]) -> Dict[str, Path]:
+def write_splits(out_dir, sizes: Sequence[int], write_split: Callable[..., None],
+                 progress: Callable[[int], None] | None = None) -> Dict[str, Path]:
     """Write ``<out_dir>/<split>.h5`` for each of :data:`SPLITS`; returns ``{split: path}``.
 
-    ``write_split(tmp, name, index, n)`` writes split ``name`` (number ``index``, ``n`` items) to
-    the temporary ``tmp``, which is renamed into place when complete (see :func:`hpcdl.files.atomic_path`), so
-    a failure leaves any complete older file untouched. Creates ``out_dir`` if needed.
+    ``write_split(tmp, name, index, n, progress)`` writes split ``name`` (number ``index``, ``n``
+    items) to the temporary ``tmp``, calling ``progress(k)`` as it goes. The three are written in a
+    child process -- HDF5 can crash the process that saw a write fail (a full disk: SIGSEGV in
+    h5py's cleanup) -- and renamed into place only when all three are complete, so a failure
+    leaves the older set whole and no temporary behind. Creates ``out_dir`` if needed. A failed
+    write raises OSError (one line, the file's name), a crash of the writer OSError ENOSPC when
+    the disk is full and RuntimeError otherwise; other exceptions keep their type where it is a
+    builtin one.
     """
     out_dir = Path(out_dir)
+    made = not out_dir.exists()
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         probe = out_dir / f".probe.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -179,13 +186,91 @@ def write_splits(out_dir, sizes: Sequence[int],
         probe.unlink()
     except OSError as exc:  # /proc/x, a read-only or foreign directory: one line, nothing written
         raise ValueError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
-    paths = {}
-    for i, (name, n) in enumerate(zip(SPLITS, sizes)):
-        final = out_dir / f"{name}.h5"
-        with atomic_path(final) as tmp:
-            write_split(tmp, name, i, n)
-        paths[name] = final
-    return paths
+    finals = {name: out_dir / f"{name}.h5" for name in SPLITS}
+    temps = {name: temporary_for(path) for name, path in finals.items()}
+
+    def write_all(report: Callable[[int], None]) -> None:
+        for i, (name, n) in enumerate(zip(SPLITS, sizes)):
+            write_split(temps[name], name, i, n, report)
+            with open(temps[name], "rb") as f:
+                os.fsync(f.fileno())
+
+    try:
+        _in_child(write_all, progress, out_dir)
+        for name in SPLITS:
+            os.replace(temps[name], finals[name])
+        fsync_dir(out_dir)
+    except BaseException:
+        for tmp in temps.values():
+            tmp.unlink(missing_ok=True)
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
+    return finals
+
+
+def _in_child(work: Callable[[Callable[[int], None]], None], progress: Callable[[int], None] | None,
+              out_dir: Path) -> None:
+    """``work(report)`` in a forked child; ``report(k)`` reaches ``progress`` here."""
+    import builtins
+    import errno
+    import faulthandler
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")  # the writer's closures are not picklable
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        receive.close()
+        # the parent reports a failure here in one line; HDF5's own tracebacks after a failed
+        # write (a dozen, from its objects' cleanup) are not for the user's screen
+        faulthandler.disable()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+        try:
+            work(lambda k: send.send(("progress", k)))
+            send.send(("done",))
+        except BaseException as exc:
+            send.send(("error", type(exc).__name__, getattr(exc, "errno", None), str(exc)))
+        finally:
+            send.close()
+
+    writer = ctx.Process(target=child, name="hpcdl-data-writer")
+    writer.start()
+    send.close()
+    outcome: tuple = ()
+    try:
+        while True:
+            try:
+                message = receive.recv()
+            except EOFError:
+                break
+            if message[0] == "progress":
+                if progress is not None:
+                    progress(message[1])
+            else:
+                outcome = message
+    finally:
+        if outcome == () and writer.is_alive():  # interrupted here: the writer goes too
+            writer.terminate()
+        writer.join()
+        receive.close()
+    if outcome == ("done",) and writer.exitcode == 0:
+        return
+    _, kind, code, message = outcome if outcome and outcome[0] == "error" else (None, None, None, None)
+    if not isinstance(code, int) or code <= 0:
+        # after a failed write HDF5 raises what it likes (RuntimeError: "Can't decrement id ref
+        # count") or crashes: the disk, with the temporaries still on it, tells
+        st = os.statvfs(out_dir)
+        if st.f_bavail * st.f_frsize < 1 << 20:
+            code = errno.ENOSPC
+    if isinstance(code, int) and code > 0:  # h5py's messages run over lines: the errno is enough
+        raise OSError(code, os.strerror(code), str(out_dir))
+    if kind is None:
+        raise RuntimeError(f"the data writer died (exit status {writer.exitcode})")
+    cls = getattr(builtins, kind, None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        raise cls(message)
+    raise RuntimeError(f"{kind}: {message}")
 
 
 # --------------------------------------------------------------------------------------------------

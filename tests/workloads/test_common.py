@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
+import signal
 import threading
 
 import h5py
@@ -64,15 +67,18 @@ def test_check_splits_and_seed():
             common.check_seed(bad)
 
 
-def test_write_splits_is_atomic(tmp_path):
-    def write(tmp, name, i, n):
+def test_write_splits_replaces_the_set_whole(tmp_path):
+    def write(tmp, name, i, n, report):
         tmp.write_text(f"{name} {i} {n}")
+        report(n)
 
-    paths = common.write_splits(tmp_path / "out", (3, 2, 1), write)
+    seen = []
+    paths = common.write_splits(tmp_path / "out", (3, 2, 1), write, progress=seen.append)
     assert {k: p.read_text() for k, p in paths.items()} == {
         "train": "train 0 3", "val": "val 1 2", "test": "test 2 1"}
+    assert seen == [3, 2, 1]  # the writer's progress, from its process to this one
 
-    def fail_on_val(tmp, name, i, n):
+    def fail_on_val(tmp, name, i, n, report):
         tmp.write_text("new")
         if name == "val":
             raise RuntimeError("interrupted")
@@ -80,7 +86,31 @@ def test_write_splits_is_atomic(tmp_path):
     with pytest.raises(RuntimeError, match="interrupted"):
         common.write_splits(tmp_path / "out", (3, 2, 1), fail_on_val)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["test.h5", "train.h5", "val.h5"]
-    assert paths["val"].read_text() == "val 1 2"  # the complete old file is untouched
+    # the old set, whole: not a new train.h5 beside the old val.h5 and test.h5
+    assert {k: p.read_text() for k, p in paths.items()} == {
+        "train": "train 0 3", "val": "val 1 2", "test": "test 2 1"}
+
+
+def test_write_splits_survives_a_writer_that_crashes(tmp_path):
+    # what HDF5 does after a write failed on a full disk: SIGSEGV in the writing process
+    def crash_on_test(tmp, name, i, n, report):
+        tmp.write_text("new")
+        if name == "test":
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+    with pytest.raises(RuntimeError, match="the data writer died"):
+        common.write_splits(tmp_path / "out", (3, 2, 1), crash_on_test)
+    assert not (tmp_path / "out").exists()  # no temporary left, nor the directory it made
+
+
+def test_write_splits_reports_a_failed_write_in_one_line(tmp_path):
+    def full(tmp, name, i, n, report):
+        raise OSError(errno.ENOSPC, "Write through metadata accumulator failed (file write failed:\n...")
+
+    with pytest.raises(OSError) as info:
+        common.write_splits(tmp_path / "out", (3, 2, 1), full)
+    assert info.value.errno == errno.ENOSPC and "\n" not in str(info.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_table_files(tmp_path):

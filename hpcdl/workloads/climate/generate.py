@@ -521,5 +521,5 @@ def generate(
         "labelled_fraction": float(labelled_fraction),
         "config": config.to_json(),
     }
-    return write_splits(out_dir, sizes, lambda tmp, name, i, n: _write_split(
-        tmp, name, i, n, height, width, seed, float(labelled_fraction), z_s, config, attrs, progress))
+    return write_splits(out_dir, sizes, lambda tmp, name, i, n, report: _write_split(
+        tmp, name, i, n, height, width, seed, float(labelled_fraction), z_s, config, attrs, report), progress)

@@ -716,5 +716,5 @@ def generate(
         "phi_range": np.array([-np.pi, np.pi]),
         "config": config.to_json(),
     }
-    return write_splits(out_dir, sizes, lambda tmp, name, i, n: _write_split(
-        tmp, name, i, n, image_size, seed, float(signal_fraction), config, attrs, progress))
+    return write_splits(out_dir, sizes, lambda tmp, name, i, n, report: _write_split(
+        tmp, name, i, n, image_size, seed, float(signal_fraction), config, attrs, report), progress)
