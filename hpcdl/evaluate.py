@@ -6,9 +6,11 @@ master weights when the run had an exchange, else group 0's newest checkpoint.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
+from hpcdl.runkey import Access
 from hpcdl.runs import MANIFEST, RunDir, find_run, read_json_file
 
 
@@ -57,21 +59,36 @@ def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
 
 
 def _check_manifest(path: Path) -> None:
-    """A torn or foreign manifest is one line naming it, before TensorFlow loads anything."""
+    """A torn, edited or foreign manifest is one line naming it, before TensorFlow loads anything."""
+    from hpcdl.config import JobError, job_from_dict
+
     manifest = read_json_file(path)
-    if not isinstance(manifest, dict) or not all(k in manifest for k in ("job", "workload", "input_shape")):
+    shape = manifest.get("input_shape") if isinstance(manifest, dict) else None
+    if (not isinstance(manifest, dict) or not isinstance(manifest.get("job"), dict)
+            or not isinstance(manifest.get("workload"), str) or not isinstance(manifest.get("stats"), dict)
+            or not (isinstance(shape, list) and len(shape) == 3
+                    and all(type(d) is int and d > 0 for d in shape))):
         raise EvaluateError(f"{path} is corrupt: not an hpcdl checkpoint manifest")
+    try:
+        job = job_from_dict(manifest["job"])
+    except JobError as exc:
+        raise EvaluateError(f"{path} is corrupt: its job does not validate ({exc})") from None
+    if job.workload != manifest["workload"]:
+        raise EvaluateError(f"{path} is corrupt: workload {manifest['workload']!r} but a "
+                            f"{job.workload} job")
 
 
 def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
              scores_out: Path | None = None, progress=None) -> dict[str, Any]:
-    from hpcdl.engine.train import load_model
+    from hpcdl.engine.train import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
     checkpoint, run = resolve_checkpoint(path)
     try:
         model, manifest = load_model(checkpoint, get_workload)
     except FileNotFoundError as exc:
+        raise EvaluateError(str(exc)) from None
+    except CheckpointUnreadable as exc:
         raise EvaluateError(str(exc)) from None
     source = manifest["checkpoint"]
     if run is not None:
@@ -86,8 +103,40 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     if data is None:
         data = Path(manifest["job"]["data"]["test"])
     if not data.is_file():
-        raise EvaluateError(f"data file not found: {data}")
+        raise EvaluateError(f"data file not found: {data}" if not data.is_dir()
+                            else f"data: {data} is a directory, not a data file")
     out_dir = out_dir or (run.eval_dir if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
+    for where in (out_dir, scores_out.parent if scores_out else None):
+        _check_writable(where)
+    # inside a run, its access policy (owner or unix group only); elsewhere the umask
+    access = Access.of_directory(run.root) if run else None
+    made = not out_dir.exists()
+    if access:
+        access.make_dir(out_dir)
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
+    except BaseException:
+        if made and not any(out_dir.iterdir()):
+            out_dir.rmdir()  # a refused evaluation leaves no empty directory behind
+        raise
+    if access:
+        for name in ("roc_png", "scores_file"):
+            if name in result and Path(result[name]).resolve().is_relative_to(run.root.resolve()):
+                access.fix_file(result[name])
     return {"model": source, "data": str(data), **result}
+
+
+def _check_writable(directory: Path | None) -> None:
+    """The nearest existing directory of ``directory`` must take new files (a read-only file
+    system fails here, before minutes of scoring)."""
+    if directory is None:
+        return
+    existing = Path(directory)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise EvaluateError(f"cannot write into {directory}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise EvaluateError(f"cannot write into {directory}: {existing} is not writable")

@@ -14,6 +14,7 @@ model, so `hpcdl evaluate` needs nothing but the checkpoint directory.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import time
@@ -284,6 +285,31 @@ def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np
         var.assign(values[name])
 
 
+def _restore_model(model, prefix: str) -> str | None:
+    """Restore the model's variables from ``prefix``; why not, in one line, if it cannot be."""
+    checkpoint = tf.train.Checkpoint(model=model)
+    try:
+        # partial: the optimizer's slots stay unread; every model variable must be matched
+        checkpoint.restore(prefix).expect_partial().assert_existing_objects_matched()
+        return None
+    except (tf.errors.OpError, ValueError, IndexError, AssertionError) as exc:
+        # TensorFlow's reader: a truncated, garbled or missing data file, or another model's tensors
+        reason = f"{type(exc).__name__}: " + str(getattr(exc, "message", exc)).strip().splitlines()[0][:200]
+    # a failed restore leaves TensorFlow a warning per unread value for when it is collected
+    logger, level = tf.get_logger(), tf.get_logger().level
+    logger.setLevel("ERROR")
+    try:
+        del checkpoint
+        gc.collect()
+    finally:
+        logger.setLevel(level)
+    return reason
+
+
+class CheckpointUnreadable(ValueError):
+    """A checkpoint TensorFlow cannot restore into the model its manifest describes."""
+
+
 def load_model(checkpoint: Path, workload_for: Callable[[str], Any]):
     """Rebuild a model from a checkpoint directory or prefix and its manifest.
 
@@ -301,7 +327,12 @@ def load_model(checkpoint: Path, workload_for: Callable[[str], Any]):
         raise FileNotFoundError(f"{checkpoint} holds no checkpoint yet")
     job = job_from_dict(manifest["job"])
     workload = workload_for(manifest["workload"])
-    model = workload.build_model(job.model, tuple(manifest["input_shape"]), seed=0)
-    tf.train.Checkpoint(model=model).restore(prefix).expect_partial()
+    try:
+        model = workload.build_model(job.model, tuple(manifest["input_shape"]), seed=0)
+    except ValueError as exc:
+        raise CheckpointUnreadable(f"{manifest_path}: its model cannot be built ({exc})") from None
+    reason = _restore_model(model, prefix)
+    if reason:
+        raise CheckpointUnreadable(f"{prefix}: the checkpoint is damaged or not this manifest's model ({reason})")
     manifest["checkpoint"] = prefix
     return model, manifest

@@ -1,0 +1,106 @@
+"""`hpcdl evaluate` on a checkpoint that is damaged, edited or another model's: one line, exit 2,
+nothing written; an intact one still evaluates."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import tensorflow as tf
+from click.testing import CliRunner
+
+from hpcdl.cli import main
+from hpcdl.config import load_job
+from hpcdl.engine.train import write_manifest
+from hpcdl.workloads import get_workload
+from tests.conftest import tiny_overrides, write_nersc
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hep_files, tmp_path_factory):
+    """A real checkpoint of the tiny HEP model: TensorFlow's files and the engine's manifest."""
+    directory = tmp_path_factory.mktemp("ckpt")
+    job = load_job("hep", tiny_overrides(hep_files, directory / "runs"))
+    workload = get_workload("hep")
+    shape = workload.input_shape(job)
+    model = workload.build_model(job.model, shape, seed=0)
+    tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(directory), max_to_keep=1).save(4)
+    write_manifest(directory, job, workload.compute_stats(job), shape, model)
+    return directory
+
+
+def evaluate(target, data, out):
+    return CliRunner().invoke(main, ["evaluate", str(target), "--data", str(data), "--out", str(out)],
+                              catch_exceptions=False)
+
+
+def assert_refused(result, fragment, out):
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.output
+    assert "Traceback" not in result.output and "WARNING" not in result.output
+    assert not out.exists()  # refused before anything is written
+
+
+def data_file(ckpt):
+    return next(ckpt.glob("*.data-*"))
+
+
+def truncate(ckpt):
+    path = data_file(ckpt)
+    path.write_bytes(path.read_bytes()[:300])
+
+
+def garble(ckpt):
+    path = data_file(ckpt)
+    path.write_bytes(bytes(b ^ 0x5A for b in path.read_bytes()))
+
+
+def empty_index(ckpt):
+    (ckpt / "ckpt-4.index").write_bytes(b"\0" * 64)
+
+
+def remove_data(ckpt):
+    data_file(ckpt).unlink()
+
+
+def edit_manifest(**change):
+    def edit(ckpt):
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+        for key, value in change.items():
+            if key == "filters":
+                manifest["job"]["model"]["filters"] = value
+            else:
+                manifest[key] = value
+        (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+@pytest.mark.parametrize("damage, fragment", [
+    (truncate, "the checkpoint is damaged or not this manifest's model"),
+    (garble, "the checkpoint is damaged or not this manifest's model"),
+    (empty_index, "the checkpoint is damaged or not this manifest's model"),
+    (remove_data, "the checkpoint is damaged or not this manifest's model"),
+    (edit_manifest(filters=16), "the checkpoint is damaged or not this manifest's model"),
+    (edit_manifest(workload="climate"), "workload 'climate' but a hep job"),
+    (edit_manifest(job="x"), "not an hpcdl checkpoint manifest"),
+    (edit_manifest(input_shape=[0, 8, 3]), "not an hpcdl checkpoint manifest"),
+])
+def test_a_damaged_checkpoint_is_one_line(checkpoint, hep_files, tmp_path, damage, fragment):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    damage(ckpt)
+    assert_refused(evaluate(ckpt, hep_files["test"], tmp_path / "out"), fragment, tmp_path / "out")
+
+
+def test_the_intact_checkpoint_evaluates(checkpoint, hep_files, tmp_path):
+    result = evaluate(checkpoint, hep_files["test"], tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "out" / "roc.png").is_file()
+
+
+def test_evaluate_refuses_data_of_another_shape_without_leaving_its_directory(checkpoint, tmp_path):
+    other = write_nersc(tmp_path / "other.h5", 64, size=12, seed=3)
+    result = evaluate(checkpoint, other, tmp_path / "out")
+    assert_refused(result, "the model was trained on", tmp_path / "out")
