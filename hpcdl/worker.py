@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
+from hpcdl.files import read_regular
 from hpcdl.launch import (
     LaunchError, RankEnv, expand_nodelist, follow_supervisor, slurm_group_plan, start_rendezvous,
 )
@@ -44,18 +45,27 @@ def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
     Several group roots may compute them at once; they compute the same values and the atomic
     rename makes the last one win harmlessly. Other ranks wait for the file.
     """
-    if run.stats_file.is_file():
-        return json.loads(run.stats_file.read_text())
-    if is_root:
+    stats = _read_stats(run.stats_file)
+    if stats is not None:
+        return stats
+    if is_root:  # none yet, or a damaged one: the data give the same values again
         stats = workload.compute_stats(job)
         write_json_atomic(run.stats_file, stats)
         return stats
     deadline = time.monotonic() + STATS_WAIT_S
-    while not run.stats_file.is_file():
+    while (stats := _read_stats(run.stats_file)) is None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {run.stats_file} after {STATS_WAIT_S:.0f} s")
+            raise TimeoutError(f"no readable {run.stats_file} after {STATS_WAIT_S:.0f} s")
         time.sleep(0.5)
-    return json.loads(run.stats_file.read_text())
+    return stats
+
+
+def _read_stats(path: Path) -> dict | None:
+    try:
+        stats = json.loads(read_regular(path).decode("utf-8"))
+    except (OSError, ValueError):
+        return None
+    return stats if isinstance(stats, dict) else None
 
 
 def serve_rendezvous(run: RunDir, job, port_file: Path) -> int:

@@ -58,6 +58,54 @@ def test_a_malformed_run_file_is_one_line_naming_it(run, command, name, content)
     one_error_line(result, str(run.root / name))
 
 
+def test_status_of_run_files_that_are_dev_zero(run):
+    """A file read whole that never ends (a symlink to /dev/zero) is refused, not read into memory."""
+    for path in (run.group_state_file(0), run.metrics_file(0)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        path.symlink_to("/dev/zero")
+    status = collect(run, backend_view={})
+    assert status["groups"][0].get("step") in (None, 0)
+    run.info_file.unlink()
+    run.info_file.symlink_to("/dev/zero")
+    result = CliRunner().invoke(main, ["status", str(run.root)], catch_exceptions=False)
+    one_error_line(result, "run.json")  # not a run: its run.json is no file
+
+
+def test_a_damaged_stats_file_is_computed_again(hep_files, tmp_path):
+    from hpcdl.workloads import get_workload
+    from hpcdl.worker import ensure_stats
+
+    job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs"))
+    with create_run(job, "local") as (_, final):
+        pass
+    workload = get_workload("hep")
+    final.stats_file.write_bytes(BINARY)
+    stats = ensure_stats(final, workload, job, is_root=True)
+    assert stats == json.loads(json.dumps(workload.compute_stats(job)))
+    assert json.loads(final.stats_file.read_text()) == stats
+
+
+def test_submit_refuses_a_validation_file_it_cannot_use(hep_files, tmp_path):
+    runs = tmp_path / "runs"
+    garbage = tmp_path / "garbage.h5"
+    garbage.write_bytes(BINARY)
+    small = tmp_path / "small.h5"
+    from tests.conftest import write_nersc
+
+    write_nersc(small, 32, size=8)
+    for val, fragment in ((tmp_path / "none.h5", "no such file"), (garbage, "garbage.h5"),
+                          (small, "images are (8, 8, 3), data.train's (16, 16, 3)")):
+        result = CliRunner().invoke(main, ["submit", "hep", *set_args(tiny_overrides(hep_files, runs)),
+                                           "--set", f'data.val="{val}"', "--dry-run"], catch_exceptions=False)
+        assert "data.val" in one_error_line(result, fragment)
+    result = CliRunner().invoke(main, ["submit", "hep", *set_args(tiny_overrides(hep_files, runs)), "--set",
+                                       f'data.val="{tmp_path / "none.h5"}"', "--set", "train.validate_every=0",
+                                       "--dry-run"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert not runs.exists()
+
+
 def test_a_malformed_run_json_under_a_bare_status(run):
     run.info_file.write_bytes(BINARY)
     result = CliRunner().invoke(main, ["status", "--runs-dir", str(run.root.parent)], catch_exceptions=False)
@@ -149,6 +197,33 @@ def test_data_generate_into_a_read_only_directory(tmp_path):
                                 catch_exceptions=False)
     one_error_line(result, str(ro))
     assert list(ro.iterdir()) == []
+
+
+def test_data_generate_keeps_a_set_unless_forced(tmp_path):
+    out = tmp_path / "hep"
+    args = ["data", "generate", "hep", "--out", str(out), "--events", "20", "--image-size", "8"]
+    assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    one_error_line(CliRunner().invoke(main, args + ["--seed", "1"], catch_exceptions=False), "--force")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert CliRunner().invoke(main, args + ["--seed", "1", "--force"], catch_exceptions=False).exit_code == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} != before
+
+
+def test_data_generate_on_a_full_disk_is_one_line_and_keeps_the_old_set(tiny_fs):
+    fs = tiny_fs("full", 2048)
+    out = fs / "hep"
+    small = ["data", "generate", "hep", "--out", str(out), "--events", "20", "--image-size", "8"]
+    assert CliRunner().invoke(main, small, catch_exceptions=False).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # 400 events of 64² do not fit in 2 MiB: HDF5 fails its writes, and its process crashes
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", str(out), "--events", "400",
+                                       "--image-size", "64", "--force"], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], result.output
+    assert "Traceback" not in result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # whole, and no temporary
 
 
 # -- run ids ---------------------------------------------------------------------------------------

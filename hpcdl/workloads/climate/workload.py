@@ -47,6 +47,15 @@ class ClimateWorkload(Workload):
             raise JobError(f"data.train has {cf.n_labelled} labelled images, fewer than one per rank ({ranks})")
         if job.model.reconstruction_weight > 0 and cf.n_images < ranks:
             raise JobError(f"data.train has {cf.n_images} images, fewer than one per rank ({ranks})")
+        if job.train.validate_every and job.data.val:
+            try:
+                val = cdata.open_climate(job.data.val)
+                val_hw = prep.output_hw(val.height, val.width, val.path)
+            except cdata.DataError as exc:
+                raise JobError(f"data.val: {exc} (train.validate_every = 0 trains without it)") from None
+            if val_hw != prep.output_hw(cf.height, cf.width, cf.path):
+                raise JobError(f"data.val: its images give {val_hw}, data.train's "
+                               f"{prep.output_hw(cf.height, cf.width, cf.path)}")
 
     def compute_stats(self, job) -> dict[str, Any]:
         prep = cdata.Preprocess.from_config(job.data)

@@ -38,6 +38,14 @@ class HepWorkload(Workload):
                 f"data.train has {hep.n_events} events, fewer than one batch per rank "
                 f"({job.train.batch_per_rank} × {job.run.nodes * job.run.ranks_per_node} ranks)"
             )
+        if job.train.validate_every and job.data.val:
+            try:
+                val = hepdata.open_hep(job.data.val)
+            except hepdata.DataError as exc:
+                raise JobError(f"data.val: {exc} (train.validate_every = 0 trains without it)") from None
+            if tuple(val.image_shape) != tuple(hep.image_shape):
+                raise JobError(f"data.val: images are {tuple(val.image_shape)}, data.train's "
+                               f"{tuple(hep.image_shape)}")
 
     def compute_stats(self, job) -> dict[str, Any]:
         return Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()

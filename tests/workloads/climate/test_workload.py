@@ -26,7 +26,7 @@ def files(tmp_path):
 
 def _job(files, *extra):
     train, test = files
-    return load_job("climate", [f'data.train="{train}"', f'data.test="{test}"', "data.crop=[2, 2, 16, 24]",
+    return load_job("climate", [f'data.train="{train}"', f'data.test="{test}"', f'data.val="{test}"', "data.crop=[2, 2, 16, 24]",
                                 "data.downsample=2", "model.filters=[4, 8]", "model.grid_convs=1",
                                 "train.batch_per_rank=4", "data.prefetch=0", *extra])
 
