@@ -8,6 +8,7 @@ the directory is removed, so a failed submission leaves nothing behind.
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 from dataclasses import dataclass
@@ -56,6 +57,10 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
     check_precision(job)
+    exchange = Path(job.exchange.directory) if job.exchange.directory else None
+    if exchange is not None and job.exchange.active(job.run.groups) and (
+            os.path.lexists(exchange) and not exchange.is_dir()):
+        raise JobError(f"exchange.directory: {exchange} exists and is not a directory")
     if job.run.check_data:  # on both backends: a missing file would fail every SLURM element
         get_workload(job.workload).check_data(job)
     return Prepared(job, scheduler, dryrun, note)

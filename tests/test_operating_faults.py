@@ -106,6 +106,16 @@ def test_submit_refuses_a_validation_file_it_cannot_use(hep_files, tmp_path):
     assert not runs.exists()
 
 
+def test_submit_refuses_an_exchange_directory_that_is_a_file(hep_files, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    result = CliRunner().invoke(main, ["submit", "hep", *set_args(tiny_overrides(hep_files, tmp_path / "runs")),
+                                       "--nodes", "2", "--group-size", "1", "--set",
+                                       f'exchange.directory="{notes}"', "--dry-run"], catch_exceptions=False)
+    one_error_line(result, "is not a directory")
+    assert notes.read_text() == "mine"
+
+
 def test_a_malformed_run_json_under_a_bare_status(run):
     run.info_file.write_bytes(BINARY)
     result = CliRunner().invoke(main, ["status", "--runs-dir", str(run.root.parent)], catch_exceptions=False)
