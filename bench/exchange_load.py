@@ -788,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.max_pending = args.max_pending or None
+    if args.dir and not Path(args.dir).is_dir():
+        p.error(f"--dir {args.dir}: not a directory")
     base = Path(tempfile.mkdtemp(prefix="hpcdl-xload-", dir=args.dir))
     m = machine()
     print(f"exchange load test: {args.groups} group roots + K = {','.join(map(str, args.shards))} "
