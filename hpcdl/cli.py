@@ -26,6 +26,10 @@ console = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 
+# click >= 8.2 shows a group's help as this UsageError; earlier versions exit without one
+_NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class InputError(click.ClickException):
     """Bad input: the one line ``Error: ...`` and exit 2 (no usage text around it)."""
 
@@ -58,6 +62,8 @@ class HpcdlGroup(click.Group):
 
         try:
             return super().invoke(ctx)
+        except _NO_ARGS_IS_HELP:  # `hpcdl data` alone: its help, as click shows it
+            raise
         except click.UsageError as exc:  # a subcommand's options, as click parsed them
             raise InputError(exc.format_message()) from None
         except (JobError, RunError, EvaluateError, LaunchError) as exc:

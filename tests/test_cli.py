@@ -57,6 +57,13 @@ def test_submit_refuses_mixed_bfloat16_without_a_bfloat16_unit(runner, hep_files
     assert not runs.exists() or list(runs.iterdir()) == []
 
 
+def test_a_group_alone_shows_its_help_and_an_unknown_command_is_one_line(runner):
+    code, output = run_cli(runner, ["data"])
+    assert "Usage: " in output and "generate" in output and "Error:" not in output
+    code, output = run_cli(runner, ["nosuch"])
+    assert_usage_error(code, output, "No such command 'nosuch'")
+
+
 def test_unknown_job(runner):
     code, output = run_cli(runner, ["submit", "nosuchjob"])
     assert_usage_error(code, output, "unknown job 'nosuchjob'")
