@@ -172,10 +172,10 @@ def write_splits(out_dir, sizes: Sequence[int], write_split: Callable[..., None]
     items) to the temporary ``tmp``, calling ``progress(k)`` as it goes. The three are written in a
     child process -- HDF5 can crash the process that saw a write fail (a full disk: SIGSEGV in
     h5py's cleanup) -- and renamed into place only when all three are complete, so a failure
-    leaves the older set whole and no temporary behind. Creates ``out_dir`` if needed. A failed
-    write raises OSError (one line, the file's name), a crash of the writer OSError ENOSPC when
-    the disk is full and RuntimeError otherwise; other exceptions keep their type where it is a
-    builtin one.
+    leaves the older set whole and no temporary behind. Creates ``out_dir`` if needed (and removes
+    it again after a failure). A failed write raises OSError (one line, naming ``out_dir``), a
+    crash of the writer OSError ENOSPC when the disk is full and RuntimeError otherwise; other
+    exceptions keep their type where it is a builtin one.
     """
     out_dir = Path(out_dir)
     made = not out_dir.exists()
