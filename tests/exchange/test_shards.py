@@ -286,7 +286,8 @@ def test_auto_shards_at_submit_does_not_load_tensorflow(tmp_path):
         "import sys\n"
         "from hpcdl.submit import prepare\n"
         f"job = prepare('climate', ['run.runs_dir=\"{tmp_path}\"', 'run.backend=local', 'run.nodes=4',"
-        f" 'run.group_size=1', 'exchange.shards=\"auto\"', 'data.train=\"{climate['train']}\"'], "
+        f" 'run.group_size=1', 'exchange.shards=\"auto\"', 'data.train=\"{climate['train']}\"',"
+        f" 'data.val=\"{climate['val']}\"'], "
         "cluster={'cores': 64}).job\n"
         "assert isinstance(job.exchange.shards, int), job.exchange.shards\n"
         "assert 'tensorflow' not in sys.modules, 'submit imported TensorFlow'\n")
