@@ -198,10 +198,13 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
 
 
 def _read_state(path: Path) -> dict:
+    from hpcdl.files import read_regular
+
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        state = json.loads(read_regular(path).decode("utf-8"))
+    except (OSError, ValueError):  # not written yet, torn, garbled: the next refresh will do
         return {}
+    return state if isinstance(state, dict) else {}
 
 
 # -- status / cancel ------------------------------------------------------------------------------
