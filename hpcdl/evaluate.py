@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcdl.runkey import Access
-from hpcdl.runs import MANIFEST, RunDir, find_run, read_json_file
+from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
 
 
 class EvaluateError(ValueError):
@@ -108,8 +108,9 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     out_dir = out_dir or (run.eval_dir if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
     for where in (out_dir, scores_out.parent if scores_out else None):
         _check_writable(where)
-    # inside a run, its access policy (owner or unix group only); elsewhere the umask
-    access = Access.of_directory(run.root) if run else None
+    # inside a run, its access policy (owner or unix group only); elsewhere, the user's umask
+    inside = run is not None and out_dir.resolve().is_relative_to(run.root.resolve())
+    access = Access.of_directory(run.root) if inside else None
     made = not out_dir.exists()
     if access:
         access.make_dir(out_dir)
@@ -122,9 +123,7 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
             out_dir.rmdir()  # a refused evaluation leaves no empty directory behind
         raise
     if access:
-        for name in ("roc_png", "scores_file"):
-            if name in result and Path(result[name]).resolve().is_relative_to(run.root.resolve()):
-                access.fix_file(result[name])
+        apply_access(out_dir, access)  # the figures, whatever the workload writes
     return {"model": source, "data": str(data), **result}
 
 

@@ -104,3 +104,29 @@ def test_evaluate_refuses_data_of_another_shape_without_leaving_its_directory(ch
     other = write_nersc(tmp_path / "other.h5", 64, size=12, seed=3)
     result = evaluate(checkpoint, other, tmp_path / "out")
     assert_refused(result, "the model was trained on", tmp_path / "out")
+
+
+def test_a_runs_evaluation_takes_the_runs_access_mode_and_leaves_others_alone(checkpoint, hep_files, tmp_path):
+    import os
+
+    from hpcdl.runs import create_run
+
+    job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs"))
+    with create_run(job, "local") as (_, run):
+        pass
+    shutil.copytree(checkpoint, run.checkpoint_dir(0))
+    old_umask = os.umask(0o022)
+    try:
+        result = CliRunner().invoke(main, ["evaluate", str(run.root), "--data", str(hep_files["test"])],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert os.stat(run.eval_dir).st_mode & 0o777 == 0o700
+        assert {os.stat(p).st_mode & 0o777 for p in run.eval_dir.iterdir()} == {0o600}
+        mine = tmp_path / "mine"
+        mine.mkdir(mode=0o755)
+        os.chmod(mine, 0o755)
+        result = evaluate(run.root, hep_files["test"], mine)
+        assert result.exit_code == 0, result.output
+        assert os.stat(mine).st_mode & 0o777 == 0o755  # a directory of the user's, not the run's
+    finally:
+        os.umask(old_umask)

@@ -53,9 +53,9 @@ class ClimateWorkload(Workload):
                 val_hw = prep.output_hw(val.height, val.width, val.path)
             except cdata.DataError as exc:
                 raise JobError(f"data.val: {exc} (train.validate_every = 0 trains without it)") from None
-            if val_hw != prep.output_hw(cf.height, cf.width, cf.path):
-                raise JobError(f"data.val: its images give {val_hw}, data.train's "
-                               f"{prep.output_hw(cf.height, cf.width, cf.path)}")
+            train_hw = prep.output_hw(cf.height, cf.width, cf.path)
+            if val_hw != train_hw:
+                raise JobError(f"data.val: its images give {val_hw}, data.train's {train_hw}")
 
     def compute_stats(self, job) -> dict[str, Any]:
         prep = cdata.Preprocess.from_config(job.data)
