@@ -65,7 +65,7 @@ def render(tmp_path: Path, *overrides: str) -> tuple[RunDir, dict[str, str], dic
     job = load_job("hep", ["run.backend=slurm", "run.nodes=2", "run.group_size=1", *overrides])
     dry = SlurmScheduler().submit_dryrun(SubmitRequest(job, run, str(bin_dir / "python"), {}))
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "RUN_DIR": str(run.root), "SLURM_JOB_ID": "41",
-           "SLURM_ARRAY_TASK_ID": "0"}
+           "SLURM_ARRAY_JOB_ID": "41", "SLURM_ARRAY_TASK_ID": "0"}
     scripts = {}
     for name, text in dry.files.items():
         path = tmp_path / Path(name).name
@@ -100,8 +100,8 @@ def test_the_configured_signal_checkpoints_and_requeues(tmp_path, sig):
     proc.send_signal(getattr(signal, f"SIG{sig}"))
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
-    assert "checkpointed; requeueing 41" in out
-    assert scontrol_calls(run) == ["requeue 41"]
+    assert "checkpointed; requeueing 41_0" in out
+    assert scontrol_calls(run) == ["requeue 41_0"]
 
 
 def test_the_mpi_controller_s_script_starts_no_rendezvous_and_still_requeues(tmp_path):
@@ -110,11 +110,24 @@ def test_the_mpi_controller_s_script_starts_no_rendezvous_and_still_requeues(tmp
     wait_for(run.group_dir(0) / "ranks-started")
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and "checkpointed; requeueing 41" in out, out
-    assert scontrol_calls(run) == ["requeue 41"]
+    assert proc.returncode == 0 and "checkpointed; requeueing 41_0" in out, out
+    assert scontrol_calls(run) == ["requeue 41_0"]
     assert (run.group_dir(0) / "srun.args").read_text().split()[:3] == [
         "--kill-on-bad-exit=1", "--mpi=pmix", "--ntasks-per-node=1"]
     assert not (run.root / "python.calls").exists()  # no rendezvous beside the ranks
+
+
+def test_a_later_element_requeues_itself_not_the_array(tmp_path):
+    """For element 0, $SLURM_JOB_ID is the array's own id, and requeueing that id requeues every
+    element: the script names the element as <array id>_<task id> whichever it is."""
+    for task, job_id in (("0", "41"), ("1", "43")):
+        run, scripts, env = render(tmp_path / task)
+        run.group_dir(int(task)).mkdir(parents=True, exist_ok=True)
+        proc = start(scripts["group"], env, SLURM_ARRAY_TASK_ID=task, SLURM_JOB_ID=job_id)
+        wait_for(run.group_dir(int(task)) / "ranks-started")
+        proc.send_signal(signal.SIGUSR1)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and scontrol_calls(run) == [f"requeue 41_{task}"], out
 
 
 def test_no_requeue_after_hpcdl_cancel(tmp_path):
@@ -181,7 +194,7 @@ def test_the_groups_own_requeues_at_the_signal_are_not_bounded(tmp_path):
     wait_for(run.group_dir(0) / "ranks-started")
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41"], out
+    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41_0"], out
     assert (run.group_dir(0) / "planned-requeues").read_text().strip() == "6"
 
 
@@ -191,7 +204,7 @@ def test_below_run_max_restarts_the_group_requeues(tmp_path):
     wait_for(run.group_dir(0) / "ranks-started")
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41"], out
+    assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41_0"], out
 
 
 def test_an_element_requeued_beyond_run_max_restarts_does_not_run(tmp_path):
