@@ -73,6 +73,8 @@ def status_view(status: Mapping[str, Any]):
     for g in status["groups"]:
         if "logs" in g:
             reason = escape(g["last_error"]) if g.get("last_error") else "no error line in its logs"
+            if g.get("reason") and g["reason"] not in (g.get("last_error") or ""):
+                reason += f"\n  {escape(g['reason'])}"  # hpcdl's word on its restarts
             where = ", ".join(escape(p) for p in g["logs"]) or "no log files"
             parts.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
                          f"(hpcdl logs {escape(status['run_dir'])} --group {g['group']})")

@@ -484,7 +484,9 @@ class SrunLaunch:
             stop_rendezvous = server.stop
             env.update(HPCDL_RENDEZVOUS=f"{s.rendezvous_host or socket.gethostname()}:{port}",
                        HPCDL_GLOO_IFACE=s.gloo_iface)
-        proc = subprocess.Popen(srun_command(self.job, self.python, self.run), env=env, stdin=subprocess.DEVNULL)
+        command = srun_command(self.job, self.python, self.run)
+        print(f"hpcdl: group {self.group}: {shlex.join(command)}", flush=True)
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
         return Popened([proc], stop_signal=None, on_close=stop_rendezvous)
 
 
