@@ -120,6 +120,13 @@ def forget_requeues(run: RunDir, groups: int) -> None:
     run.cancel_mark.unlink(missing_ok=True)
 
 
+def _first_line(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip().splitlines()[0][:500]
+    except (OSError, IndexError):
+        return ""
+
+
 def read_count(path: Path) -> int:
     try:
         return int(path.read_text().strip() or 0)
@@ -156,7 +163,8 @@ class GroupLife:
     exit_code: int = EXIT_OK
 
     def __post_init__(self) -> None:
-        for mark in (self.run.stop_mark(self.group), self.run.requeue_mark(self.group)):
+        for mark in (self.run.stop_mark(self.group), self.run.requeue_mark(self.group),
+                     self.run.input_error_file(self.group)):
             mark.unlink(missing_ok=True)
         if self.restarts > self.max_restarts:
             self._end(State.FAILED, EXIT_FAILED,
@@ -239,8 +247,10 @@ class GroupLife:
         what = f"group {self.group}'s ranks exited with status {', '.join(str(c) for c in codes)}"
         if self.stop_asked_at is not None or cancelled:
             self._end(State.CANCELLED, code, what + " while stopping")
-        elif EXIT_USER_ERROR in codes:
-            self._end(State.FAILED, code, what + ": an input error no restart can mend (see the rank logs)")
+        elif EXIT_USER_ERROR in codes or self.run.input_error_file(self.group).exists():
+            said = _first_line(self.run.input_error_file(self.group))
+            self._end(State.FAILED, code, f"{what}: an input error no restart can mend"
+                                          + (f": {said}" if said else " (see the rank logs)"))
         elif self.restarts >= self.max_restarts:
             self._end(State.FAILED, code, f"{what}, after {self.restarts} restarts: run.max_restarts = "
                                           f"{self.max_restarts} allows no more")

@@ -228,6 +228,10 @@ class RunDir:
         """Left by a group's rank 0 that stopped on request after a checkpoint: requeue it."""
         return self.group_dir(group) / "requeue"
 
+    def input_error_file(self, group: int) -> Path:
+        """Left by a rank that refused its input (one line: what to fix); no restart can mend it."""
+        return self.group_dir(group) / "input-error"
+
     def life_file(self, group: int) -> Path:
         """The group's life as hpcdl.lifecycle last published it: state, restarts, the reason."""
         return self.group_dir(group) / "life.json"

@@ -34,7 +34,8 @@ from hpcdl.files import read_regular
 from hpcdl.config import JobError
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
-from hpcdl.runs import RunDir, State, write_json_atomic
+from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
 
@@ -162,11 +163,22 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:  # where a rank sits: one line that says what to fix
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-    except (JobError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (JobError, DataFileError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # The user's input (a data file missing on the compute nodes with --no-check-data): one
-        # line, as submit says it, and a code that no restart is tried for.
+        # line, as submit says it, and no restart is tried for it (srun may report another code
+        # than ours once it killed the group's other ranks: the mark says it).
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
+        _mark_input_error(argv, str(exc))
         return EXIT_USER_ERROR
+
+
+def _mark_input_error(argv: list[str] | None, text: str) -> None:
+    try:
+        run = RunDir(_parser().parse_args(argv).run_dir)
+        group = int(os.environ.get("HPCDL_GROUP") or os.environ.get("SLURM_ARRAY_TASK_ID") or 0)
+        write_bytes_atomic(run.input_error_file(group), (text.splitlines() or [""])[0].encode() + b"\n")
+    except (OSError, ValueError, SystemExit):
+        pass  # the exit code still says it where the launcher passes it on
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -204,3 +204,14 @@ def test_appliers_are_not_restarted_once_the_groups_ended(run):
     life.begin()
     procs.end(1)
     assert not life.poll(groups_active=False) and life.finish() == 1
+
+
+def test_an_input_error_mark_stops_retries_whatever_the_launcher_reported(run):
+    """srun reports 137 once it killed the group's other ranks; the rank's mark says why."""
+    procs = FakeProcs(codes=[None])
+    life, _, started = life_of(run, [procs, FakeProcs(codes=[0])])
+    life.poll()
+    run.input_error_file(0).write_text("[Errno 2] No such file or directory: 'none.h5'\n")
+    procs.end(137)
+    assert not life.poll() and life.state == State.FAILED and len(started) == 1
+    assert "none.h5" in life.reason
