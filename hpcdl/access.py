@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 
+class AccessError(ValueError):
+    """A run's access policy that cannot be had here (no such group, not a member of it)."""
+
+
 @dataclass(frozen=True)
 class Access:
     """Modes of a run's files: owner only (``gid=None``) or group only (``gid``: the group)."""
@@ -59,9 +63,9 @@ class Access:
         try:
             gid = grp.getgrnam(name).gr_gid
         except KeyError:
-            raise RunKeyError(f"run.unix_group: no unix group named {name!r}") from None
+            raise AccessError(f"run.unix_group: no unix group named {name!r}") from None
         if os.geteuid() != 0 and gid not in os.getgroups() and gid != os.getegid():
-            raise RunKeyError(f"run.unix_group: you are not a member of group {name!r}")
+            raise AccessError(f"run.unix_group: you are not a member of group {name!r}")
         return cls(gid)
 
     @classmethod

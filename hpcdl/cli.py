@@ -234,7 +234,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
 def cancel(run, runs_dir):
     """Stop every process or SLURM job of RUN (safe to repeat). Without RUN: the newest run under
     --runs-dir that is still queued or running, named in the answer."""
-    from hpcdl.schedulers import cancel_run
+    from hpcdl.schedulers.select import cancel_run
 
     click.echo(cancel_run(run, runs_dir))
 

@@ -20,18 +20,18 @@ from typing import Any, Mapping
 
 import tomli_w
 
+from hpcdl.engine import CONV_WEIGHT_GRADS, TRAIN_OPTIMIZERS
 from hpcdl.errors import JobError
 from hpcdl.files import read_regular
+from hpcdl.launch import CONTROLLERS
 from hpcdl.resources import shipped_dir
+from hpcdl.schedulers import SCHEDULERS
 
 JOBS_DIR = shipped_dir("jobs")
 
 
 MAX_SHARDS = 256  # appliers of one run; far beyond where one file per shard per exchange pays
-BACKEND_CHOICES = ("auto", "local", "slurm")  # auto: SLURM where it answers, else this machine
-# Inside a group: Gloo (TCP and an HTTP rendezvous hpcdl runs; no MPI needed) or MPI (one MPI job
-# per group, started by srun --mpi=<slurm.mpi> or, locally, mpirun; Horovod built with MPI).
-CONTROLLER_CHOICES = ("gloo", "mpi")
+BACKEND_CHOICES = ("auto", *SCHEDULERS)  # auto: SLURM where it answers, else this machine
 
 
 def check_plain_text(name: str, value: str) -> None:
@@ -54,7 +54,7 @@ class RunConfig:
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
-    controller: str = "gloo"  # how a group's ranks talk: gloo or mpi (CONTROLLER_CHOICES)
+    controller: str = "gloo"  # how a group's ranks talk (hpcdl.launch.CONTROLLERS)
 
     def validate(self) -> None:
         check_plain_text("run.runs_dir", self.runs_dir)
@@ -71,7 +71,7 @@ class RunConfig:
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
             )
         _choice("run.backend", self.backend, BACKEND_CHOICES)
-        _choice("run.controller", self.controller, CONTROLLER_CHOICES)
+        _choice("run.controller", self.controller, CONTROLLERS)
 
     @property
     def nodes_per_group(self) -> int:
@@ -86,7 +86,6 @@ class RunConfig:
         return self.nodes_per_group * self.ranks_per_node
 
 
-TRAIN_OPTIMIZERS = ("adam", "sgd")  # the engine's (hpcdl.engine.optim)
 
 
 @dataclass(frozen=True)
@@ -110,7 +109,7 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if self.validate_every < 0:
             raise JobError(f"train.validate_every must be >= 0 (0: no validation), got {self.validate_every}")
-        _choice("train.optimizer", self.optimizer, TRAIN_OPTIMIZERS)
+        _choice("train.optimizer", self.optimizer, tuple(TRAIN_OPTIMIZERS))
         if not self.learning_rate > 0:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
@@ -247,7 +246,7 @@ class EmulateConfig:
 # the CPU has no bfloat16 unit); "mixed_bfloat16": Keras' policy, bfloat16 activations with float32
 # weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.engine.tuning).
 PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
-CONV_WEIGHT_GRAD_CHOICES = ("auto", "tensorflow", "gemm")
+CONV_WEIGHT_GRAD_CHOICES = ("auto", *CONV_WEIGHT_GRADS)  # auto: hpcdl.engine.tuning's rule per CPU
 
 
 @dataclass(frozen=True)

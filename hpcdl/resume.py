@@ -20,7 +20,9 @@ from hpcdl.config import Job, load_job
 from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.lifecycle import forget_requeues
-from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
+from hpcdl.schedulers import get_scheduler
+from hpcdl.schedulers.base import Scheduler, SubmitRequest
+from hpcdl.schedulers.select import choose_backend
 from hpcdl.schedulers.base import DryRun
 
 # What the checkpoints, the shards and the applier's state were made with.

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 from hpcdl.config import Job, job_from_dict
 from hpcdl.errors import JobError
 from hpcdl.files import append_lines, atomic_write_bytes, read_regular
-from hpcdl.access import Access, access_for_job
+from hpcdl.access import Access, AccessError, access_for_job
 from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
 from hpcdl.storage import REPORT_FILE, StorageReport
 
@@ -347,7 +347,7 @@ def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tu
     their owner's execute bit), whatever the umask was when they were written."""
     try:
         access = access_for_job(job)
-    except RunKeyError as exc:
+    except AccessError as exc:
         raise RunError(str(exc)) from None
     runs_dir = Path(job.run.runs_dir)
     access.make_dir(runs_dir, tighten=False)  # a new runs/ is ours; an existing one is left

@@ -18,7 +18,9 @@ from typing import Any, Callable
 from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
 from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
-from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
+from hpcdl.schedulers import get_scheduler
+from hpcdl.schedulers.base import Scheduler, SubmitRequest
+from hpcdl.schedulers.select import choose_backend
 from hpcdl.schedulers.base import DryRun
 from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload

@@ -9,6 +9,8 @@ from __future__ import annotations
 import tensorflow as tf
 
 from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from hpcdl.engine import TRAIN_OPTIMIZERS
+from hpcdl.registry import load_registered
 
 
 class Adam(tf.Module):
@@ -55,8 +57,6 @@ class SGD(tf.Module):
             var.assign_sub(self.learning_rate * g)
 
 
-OPTIMIZERS = {"adam": Adam, "sgd": SGD}  # one class per name in hpcdl.config.TRAIN_OPTIMIZERS
-
-
 def make_optimizer(name: str, variables: list[tf.Variable], learning_rate: float) -> tf.Module:
-    return OPTIMIZERS[name](variables, learning_rate=learning_rate)
+    """The optimizer registered as ``name`` in hpcdl.engine.TRAIN_OPTIMIZERS."""
+    return load_registered(TRAIN_OPTIMIZERS, name, "train.optimizer")(variables, learning_rate=learning_rate)

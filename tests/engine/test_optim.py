@@ -71,7 +71,11 @@ def test_adam_slots_and_step_survive_a_checkpoint(tmp_path):
 
 
 def test_every_optimizer_a_job_may_name_exists():
-    from hpcdl.config import TRAIN_OPTIMIZERS
-    from hpcdl.engine.optim import OPTIMIZERS
+    from hpcdl.config import load_job
+    from hpcdl.engine import TRAIN_OPTIMIZERS
+    from hpcdl.engine.optim import make_optimizer
 
-    assert set(OPTIMIZERS) == set(TRAIN_OPTIMIZERS)
+    var = tf.Variable(np.zeros(3, np.float32))
+    for name in TRAIN_OPTIMIZERS:  # the names a job may give are the ones the engine builds
+        assert load_job("hep", [f"train.optimizer={name}"]).train.optimizer == name
+        assert isinstance(make_optimizer(name, [var], 1e-3), tf.Module)

@@ -12,7 +12,7 @@ import pytest
 
 from hpcdl.errors import JobError
 from hpcdl.config import load_job
-from hpcdl.schedulers import choose_backend
+from hpcdl.schedulers.select import choose_backend
 from hpcdl.schedulers.local import check_capacity
 from tests.conftest import HPCDL
 
@@ -131,7 +131,7 @@ def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
 
     import hpcdl.schedulers.slurm as slurm
     from hpcdl.runs import create_run, write_json_atomic
-    from hpcdl.schedulers import cancel_run
+    from hpcdl.schedulers.select import cancel_run
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.backend=slurm"])
     for n in range(3):
