@@ -1,4 +1,4 @@
-"""`hpcdl logs` and the failed group's reason in `hpcdl status` (issue 13, item 3)."""
+"""`hpcdl logs` and the failed group's reason in `hpcdl status`."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Nobody else gets in: owner-only (or group-only) modes whatever the umask, and a per-run key
-that every exchange file of a run is authenticated with (issue 7, part 1)."""
+that every exchange file of a run is authenticated with."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Many groups (issue 7, part 4): 64 simulated group roots against one applier, through
+"""Many groups: 64 simulated group roots against one applier, through
 bench/exchange_load.py (light processes, numpy only), with the exactly-once ledger check."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The exchange-file reader under fuzzing (issue 7, part 3): arbitrary bytes, mutated valid files,
+"""The exchange-file reader under fuzzing: arbitrary bytes, mutated valid files,
 and validly tagged files with lying headers are rejected with a clean CorruptFile -- never another
 exception -- and memory stays bounded by the file's real size, whatever the header claims."""
 

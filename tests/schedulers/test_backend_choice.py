@@ -1,4 +1,4 @@
-"""run.backend = "auto" and the local backend's size check (issue 13, item 4): `hpcdl submit hep
+"""run.backend = "auto" and the local backend's size check: `hpcdl submit hep
 --nodes 9600`, exactly as the design card writes it, goes to SLURM where sbatch is on PATH and the
 controller answers, and is refused with one line on a machine that cannot hold 9600 ranks."""
 

@@ -158,7 +158,7 @@ def test_the_applier_requeues_on_the_configured_signal_unless_cancelled(tmp_path
     assert "#SBATCH --signal=B:TERM@120" in Path(scripts["applier"]).read_text()
     proc = start(scripts["applier"], {k: v for k, v in env.items() if not k.startswith("SLURM_ARRAY")})
     wait_for(run.applier_logs()[0] if run.applier_logs() else run.root / "exchange", 60)
-    time.sleep(3.0)  # the applier is running (an earlier signal is honoured too: test_clean_stops)
+    time.sleep(3.0)  # the applier is running (an earlier signal is honoured too: test_local_stops)
     if cancelled:
         run.cancel_mark.touch()
     proc.send_signal(signal.SIGTERM)

@@ -247,7 +247,7 @@ def test_a_failed_group_shows_its_log_and_the_reason(slurm_cluster, hep_files, t
 def test_the_groups_own_requeues_are_not_bounded_by_run_max_restarts(slurm_cluster, hep_files, tmp_path):
     """A 1-minute limit, the signal 58 s before it: the element checkpoints and requeues itself. A
     long run does that at every limit, so with run.max_restarts = 0 it still goes on (only
-    restarts after failures count; tests/schedulers/test_slurm_scripts.py has those)."""
+    restarts after failures count; tests/schedulers/test_slurm_batch_steps.py has those)."""
     sub = submit(hep_files, tmp_path, 1_000_000, "slurm.time=1", "slurm.signal_seconds=58", "exchange.enabled=off",
                  "run.max_restarts=0", nodes=2, group_size=2)
     run_dir = Path(sub["run_dir"])

@@ -1,4 +1,4 @@
-"""Faults met while operating runs (issue 13, item 8): malformed files, control characters,
+"""Faults met while operating runs: malformed files, control characters,
 run-id collisions, unwritable output directories, ended groups in status. Each bad input is one
 line naming the problem and exit 2, with nothing written."""
 

@@ -1,4 +1,4 @@
-"""Clean stops on the local backend (issue 13, item 7): Ctrl-C and SIGTERM make the ranks
+"""Clean stops on the local backend: Ctrl-C and SIGTERM make the ranks
 checkpoint at the step where they stop, like SLURM's warning signal; at the end of a run the
 applier applies what is pending before it stops."""
 
