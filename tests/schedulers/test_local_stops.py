@@ -135,3 +135,18 @@ def test_a_stop_signal_while_the_applier_starts_is_not_lost(hybrid_run, signum, 
               f"run = RunDir(Path(sys.argv[1])); sys.exit(serve_applier(run, run.load_job(), early_signal=lambda: {int(signum)}))")
     done = subprocess.run([sys.executable, "-c", script, str(run.root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
+
+
+def test_the_applier_ends_once_the_supervisor_saw_every_group_end(hybrid_run):
+    """Groups that could not write their final state (a full disk) never say "finished": the
+    supervisor's mark that every group has ended lets the applier end once its backlog is empty,
+    instead of waiting out the drain bound."""
+    run, _ = hybrid_run
+    run.groups_ended_mark.parent.mkdir(parents=True, exist_ok=True)
+    run.groups_ended_mark.touch()
+    script = ("import sys; from hpcdl.runs import RunDir; from hpcdl.worker import serve_applier; from pathlib import Path; "
+              "run = RunDir(Path(sys.argv[1])); sys.exit(serve_applier(run, run.load_job()))")
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script, str(run.root)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < 60
