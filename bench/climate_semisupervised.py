@@ -21,7 +21,7 @@ stay the same, only a random subset of the labelled ones keeps its labels.
 
 Usage (generates the data into --work if --data is not given):
 
-    python bench/climate_semisupervised.py [--data DIR] [--steps 300] [--labelled-fractions 0.2,0.05]
+    python -m bench.climate_semisupervised [--data DIR] [--steps 300] [--labelled-fractions 0.2,0.05]
 
 Prints a table (and with `--json FILE` writes the numbers there). Single runs are noisy: use --seeds 0,1,2 for spread.
 """
@@ -39,9 +39,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+from bench.harness import HPCDL
 
 
 def label_subset(train: Path, fraction: float, out: Path, seed: int = 0) -> Path:

@@ -46,7 +46,7 @@ Every result records the CPU model (/proc/cpuinfo), its avx2/avx512f flags and t
 
 Usage:
 
-    python bench/exchange_load.py [--groups 64] [--seconds 60] [--sizes 594178,16384]
+    python -m bench.exchange_load [--groups 64] [--seconds 60] [--sizes 594178,16384]
                                   [--shards 1,2,4] [--interval 0.065] [--max-pending 4]
                                   [--dir DIR] [--no-fsync] [--no-pin] [--breakdown]
                                   [--json FILE]
@@ -74,14 +74,10 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hpcdl.exchange import Channel, Signer, parse_update_name  # noqa: E402
-from hpcdl.exchange.shards import Partition  # noqa: E402
-from hpcdl.exchange.group import ExchangeSync  # noqa: E402  (imported before the forks: shared)
-from hpcdl.applier.config import ApplierConfig  # noqa: E402
+from hpcdl.applier.config import ApplierConfig
+from hpcdl.exchange import Channel, Signer, parse_update_name
+from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
+from hpcdl.exchange.shards import Partition
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178
