@@ -273,12 +273,17 @@ def result_path(suite: str, m: dict[str, Any] | None = None, when: float | None 
     return RESULTS / suite / f"{stamp}-{machine_tag(m or machine())}.json"
 
 
-def write_result(path: Path, doc: Any) -> Path:
-    """Publish one result file whole (a crash leaves the old file or none, never half of one)."""
+def publish(path: Path, data: bytes) -> Path:
+    """Write a file of bench/ whole (a crash leaves the old file or none, never half of one)."""
     from hpcdl.files import atomic_write_bytes
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write_bytes(path, json.dumps(doc, indent=1, default=str).encode())
+    return atomic_write_bytes(path, data)
+
+
+def write_result(path: Path, doc: Any) -> Path:
+    """Publish one result file (JSON)."""
+    return publish(path, json.dumps(doc, indent=1, default=str).encode())
 
 
 def previous_results(compare: str | None, suite: str) -> dict | None:
