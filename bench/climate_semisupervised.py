@@ -40,6 +40,7 @@ import h5py
 import numpy as np
 
 from bench.harness import HPCDL
+from bench.local_runs import metrics as group_metrics
 
 
 def label_subset(train: Path, fraction: float, out: Path, seed: int = 0) -> Path:
@@ -89,8 +90,8 @@ def train_and_evaluate(work: Path, train: Path, test: Path, steps: int, batch: i
     submitted = json.loads(run([HPCDL, "submit", "climate", "--backend", "local", "--nodes", str(nodes),
                                 "--json", *args], work))
     wall = time.perf_counter() - t0
-    run_dir = work / "runs" / submitted["run_id"]
-    metrics = [json.loads(line) for line in (run_dir / "groups" / "0" / "metrics.jsonl").read_text().splitlines()]
+    run_dir = Path(submitted["run_dir"])
+    metrics = group_metrics(run_dir, 0)
     result = json.loads(run([HPCDL, "evaluate", str(run_dir), "--json"], work))
     return {
         "run": str(run_dir), "submit_wall_s": wall,

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from bench.harness import HPCDL, machine, result_path, write_result
+from bench.local_runs import metrics
 
 SUITE = "coldstart"
 MAKE_RUN = ["model.filters=32"]
@@ -54,8 +55,7 @@ def real_run(data: dict[str, Path], runs: Path, steps: int, extra: list[str]) ->
                          capture_output=True, text=True, check=True)
     run_dir = Path(json.loads(out.stdout)["run_dir"])
     loss, auc = {}, {}
-    for line in (run_dir / "groups" / "0" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in metrics(run_dir, 0):
         if record["step"] % 50 == 0:
             loss[record["step"]] = round(record["loss"], 3)
         if "val_auc" in record:

@@ -75,9 +75,10 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.applier.config import ApplierConfig
-from hpcdl.exchange import Channel, Signer, parse_update_name
+from hpcdl.exchange import Channel, Signer, update_name
 from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
 from hpcdl.exchange.shards import Partition
+from hpcdl.runs import read_jsonl
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178
@@ -250,27 +251,20 @@ def applier(root: str, key: bytes, shapes: dict, fsync: bool, stop_file: str, dr
 # ------------------------------------------------------------------------------------------------
 
 
-def read_events(root: Path) -> list[dict]:
-    events = []
-    for name in ("events.jsonl.1", "events.jsonl"):
-        path = root / "applier" / name
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    pass
-    return events
+def read_events(ch: Channel) -> list[dict]:
+    """The applier's events, the rotated file's first (the applier keeps one, named so)."""
+    rotated = ch.events_path.with_name(ch.events_path.name + ".1")
+    return [event for path in (rotated, ch.events_path) for event in read_jsonl(path)]
 
 
-def ledger_check(root: Path, pubs: list[dict], shard: int = 0) -> dict:
+def ledger_check(ch: Channel, pubs: list[dict], shard: int = 0) -> dict:
     """Exactly once, in one shard: published = applied (once) + dropped by the publisher's bound
     on this shard's channel + pending. ``pubs``' ``dropped`` holds one list of seqs per shard."""
-    events = read_events(root)
+    events = read_events(ch)
     taken = [(e["group"], e["seq"]) for e in events if e["event"] in ("applied", "dropped")]
     applied = set(taken)
     twice = len(taken) - len(applied)
-    pending = {parse_update_name(n) for n in os.listdir(root / "updates")} - {None}
+    pending = {(ref.group, ref.seq) for ref in ch.pending_updates()}
     lost, dropped_total, published_total, raced = [], 0, 0, 0
     for p in pubs:
         g = p["group"]
@@ -318,10 +312,6 @@ def combine_ledgers(shards: list[dict], pubs: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _backlog(updates: Path) -> int:
-    return sum(1 for n in os.listdir(updates) if n.startswith("u-"))
-
-
 def run_shards(params: int, shards: int, args, base: Path) -> dict:
     """G publishers against `shards` appliers for args.seconds; the figures of the run."""
     shapes = hep_layout(params)
@@ -333,8 +323,7 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     results = base / f"r-{n_params}-k{shards}"
     results.mkdir(parents=True)
     key = secrets.token_bytes(32)
-    for r in roots:
-        Channel(r, RUN_ID, signer=Signer(key))  # create the layout once
+    channels = [Channel(r, RUN_ID, signer=Signer(key)) for r in roots]  # the layout, made once
     ctx = mp.get_context("fork")
     stop_file = str(results / "stop")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -362,15 +351,15 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     while time.time() < stop:
         time.sleep(0.25)
         if time.time() >= start:
-            for k, r in enumerate(roots):
+            for k, ch in enumerate(channels):
                 try:
-                    samples[k].append(_backlog(r / "updates"))
+                    samples[k].append(ch.backlog())
                 except OSError:
                     pass
     for p in pubs:
         p.join(timeout=120)
     load_end = time.time()
-    at_end = [_backlog(r / "updates") for r in roots]
+    at_end = [ch.backlog() for ch in channels]
     Path(stop_file).touch()
     for a in apps:
         a.join(timeout=args.drain + 120)
@@ -382,13 +371,13 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
            if (results / f"g{g}.json").exists()]
     aps = [json.loads((results / f"applier-{k}.json").read_text())
            if (results / f"applier-{k}.json").exists() else {} for k in range(shards)]
-    checks = [ledger_check(roots[k], pub, k) for k in range(shards)]
+    checks = [ledger_check(channels[k], pub, k) for k in range(shards)]
     ledger = combine_ledgers(checks, pub)
     published = sum(p["published"] for p in pub)
     load_s = load_end - start
     per_shard = []
-    for k, (ap, r) in enumerate(zip(aps, roots)):
-        in_load = sum(1 for e in read_events(r)
+    for k, (ap, ch) in enumerate(zip(aps, channels)):
+        in_load = sum(1 for e in read_events(ch)
                       if e["event"] == "applied" and start <= e["time"] <= load_end)
         handled = ap.get("handled", 0)
         # The updates this shard read: a file listed and then deleted by its publisher's backlog
@@ -606,7 +595,7 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts
 
         copies = []
         for i in range(reps):
-            dest = ch.updates_dir / f"u-g000001-s{i:012d}.hx"
+            dest = ch.updates_dir / update_name(1, i)
             shutil.copyfile(path, dest)
             copies.append(dest)
         it = iter(copies)

@@ -3,7 +3,6 @@ in the foreground, the CPU its processes got, and a group's metrics."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import threading
@@ -95,8 +94,8 @@ class CpuTracker:
 
 
 def metrics(run_dir: Path, group: int = 0) -> list[dict]:
-    path = run_dir / "groups" / str(group) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A group's metrics lines ([] before its first)."""
+    from hpcdl.runs import RunDir, read_jsonl
+
+    return read_jsonl(RunDir(run_dir).metrics_file(group))
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.harness import Bench, BenchError, best, gf, loadavg, log, median
 from bench.local_runs import CpuTracker, data_sets, generated, metrics, submit
+from hpcdl.runs import RunDir
 
 GOAL = 0.6  # the sustained FLOP/s' share of the peak
 
@@ -54,7 +55,7 @@ def sustained_run(b: Bench, files: dict[str, Path], precision: str) -> None:
     lines = metrics(run_dir)
     last = lines[-1]
     windows = [m["flops_per_s_group"] for m in lines[1:]]  # the first window holds the tracing
-    rank_log = (run_dir / "groups" / "0" / "rank0.log").read_text(errors="replace")
+    rank_log = RunDir(run_dir).rank_log(0, 0).read_text(errors="replace")
     plan_line = next((l for l in rank_log.splitlines() if "threads:" in l), "")
     b.data[key] = {"metrics": lines, "wall_s": wall, "load_start": load, "plan": plan_line,
                    "cpu_seconds": cpu.seconds, "cpu_share": share,
