@@ -4,6 +4,7 @@ current or superseded; bench/results/INDEX.md is rendered from it.
     python -m bench.index            # rewrite INDEX.md from index.json
     python -m bench.index --check    # exit 1 if INDEX.md is stale, an entry's file is missing,
                                      # or a result file has no entry
+    python -m bench.index --new SUITE   # print a new result's name (for a study's --json)
 
 A new result is described by adding its entry to index.json (file, suite, machine, status
 "current" or "superseded" with "superseded_by", what it measured and why it was run); a
@@ -18,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import REPO, RESULTS, SUITES, publish
+from bench.harness import REPO, RESULTS, SUITES, publish, result_path
 
 INDEX = RESULTS / "index.json"
 INDEX_MD = RESULTS / "INDEX.md"
@@ -96,7 +97,11 @@ def undescribed(entries: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true", help="check, write nothing")
+    ap.add_argument("--new", metavar="SUITE", choices=SUITES, help="print where a result of SUITE made now goes")
     args = ap.parse_args(argv)
+    if args.new:
+        print(result_path(args.new).relative_to(REPO))
+        return 0
     entries = load_index()
     text = render(entries)
     if args.check:
