@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""One rank of `make bench`'s allreduce section (bench.sections.allreduce): Horovod's allreduce of the HEP gradient.
+"""One rank of `make bench`'s allreduce section: Horovod's allreduce of the HEP gradient.
 
-Started as a group of ranks (`python -m bench.allreduce_rank`), by that section either with Gloo's variables and a rendezvous
-(run.controller = "gloo") or under mpirun (run.controller = "mpi"), like hpcdl starts a group.
+Started as a group of ranks (`python -m bench.allreduce_rank`) by bench.sections.allreduce, either
+with Gloo's variables and a rendezvous (run.controller = "gloo") or under mpirun
+(run.controller = "mpi"), like hpcdl starts a group.
 Each rank allreduces tensors shaped like the HEP network's variables (594,178 float32, 2.38 MB)
 inside a tf.function, as the engine's DistributedGradientTape does (one allreduce per tensor,
 fused by Horovod), `--warmup` times, then `--reps` timed times; rank 0 checks the average

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Do unlabelled images help? The climate workload with and without its reconstruction loss.
 
 The paper (after Racah et al., NIPS 2017) trains the extreme-weather detector semi-supervised: a

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does the hybrid mode learn from a cold start? `make run`'s training (HEP 64², 32 filters, two
 single-rank groups and the applier) repeated per setting, group 0's loss and the master's
 validation AUC by step; and, to see why, the same network in one process with the applier's own

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Many groups against K appliers: a load test of the asynchronous exchange on this machine.
 
 G simulated group roots (light processes: numpy and hpcdl.exchange only, no TensorFlow) run the

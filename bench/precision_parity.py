@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does tuning.precision = "mixed_bfloat16" learn as well as float32? The HEP network trained
 twice from the same initial weights on the same batches, once per precision, then both scored on
 the same validation file: the issue's criterion is a weighted validation AUC within 0.005.
@@ -104,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     log=lambda m: print(f"[parity {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     result.update(cpu=cpu.model, isa=cpu.vector_isa, bf16_unit=cpu.bf16_unit, flags=" ".join(sorted(cpu.flags)),
                   emulated=not cpu.bf16, tolerance=TOLERANCE)
-    path = write_result(result_path(SUITE, machine()), result)
+    result["machine"] = machine()
+    path = write_result(result_path(SUITE, result["machine"]), result)
     print(json.dumps({k: result[k] for k in ("auc_difference", "within_tolerance", "emulated")}))
     print(f"results: {path}")
     return 0 if result["within_tolerance"] else 1

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """A measuring process for bench.harness.Probe (`python -m bench.probe`): started once, then driven
 by JSON commands on stdin.
 

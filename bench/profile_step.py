@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Where the time of one HEP training step goes: TensorFlow's profiler, per op class, beside FLOPs.
 
 The engine's step (the workload's loss, gradient tape, Horovod's DistributedGradientTape and

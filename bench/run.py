@@ -48,8 +48,8 @@ def sections_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=sections_help())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=sections_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
     ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-bench"), help="data cache and scratch runs")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Changes to the HEP step that are not compute, measured side by side in one process.
 
 Each variant is the engine's step (loss, gradient tape, Adam) on the same model variables with
