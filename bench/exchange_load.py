@@ -74,6 +74,7 @@ from pathlib import Path
 import numpy as np
 
 from hpcdl.applier.config import ApplierConfig
+from hpcdl.engine.tuning import read_cpuinfo
 from hpcdl.exchange import Channel, Signer, update_name
 from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
 from hpcdl.exchange.shards import Partition
@@ -106,18 +107,10 @@ def partition_of(shapes: dict[str, tuple[int, ...]], shards: int) -> Partition:
 
 
 def machine() -> dict:
-    """The CPU model, its vector flags, the core count and the load average, as recorded."""
-    model, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model is None:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu_model": model, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+    """The CPU model, its vector flags, the core count and the load average, as recorded (lighter
+    than bench.harness.machine: no git, lscpu or package versions in the load's processes)."""
+    cpu = read_cpuinfo(env={})  # the CPU's own flags: ONEDNN_MAX_CPU_ISA caps oneDNN, not numpy
+    return {"cpu_model": cpu.model, "avx2": "avx2" in cpu.flags, "avx512f": "avx512f" in cpu.flags,
             "cores": os.cpu_count(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
