@@ -41,7 +41,7 @@ test-fast: install
 	$(VENV)/bin/python -m pytest -q -m "not slow and not slurm"
 
 bench: install
-	$(VENV)/bin/python bench/run.py
+	$(VENV)/bin/python -m bench
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Do unlabelled images help? The climate workload with and without its reconstruction loss.
 
 The paper (after Racah et al., NIPS 2017) trains the extreme-weather detector semi-supervised: a
@@ -21,7 +20,7 @@ stay the same, only a random subset of the labelled ones keeps its labels.
 
 Usage (generates the data into --work if --data is not given):
 
-    python bench/climate_semisupervised.py [--data DIR] [--steps 300] [--labelled-fractions 0.2,0.05]
+    python -m bench.climate_semisupervised [--data DIR] [--steps 300] [--labelled-fractions 0.2,0.05]
 
 Prints a table (and with `--json FILE` writes the numbers there). Single runs are noisy: use --seeds 0,1,2 for spread.
 """
@@ -39,9 +38,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+from bench.harness import HPCDL
+from bench.local_runs import metrics as group_metrics
 
 
 def label_subset(train: Path, fraction: float, out: Path, seed: int = 0) -> Path:
@@ -91,8 +89,8 @@ def train_and_evaluate(work: Path, train: Path, test: Path, steps: int, batch: i
     submitted = json.loads(run([HPCDL, "submit", "climate", "--backend", "local", "--nodes", str(nodes),
                                 "--json", *args], work))
     wall = time.perf_counter() - t0
-    run_dir = work / "runs" / submitted["run_id"]
-    metrics = [json.loads(line) for line in (run_dir / "groups" / "0" / "metrics.jsonl").read_text().splitlines()]
+    run_dir = Path(submitted["run_dir"])
+    metrics = group_metrics(run_dir, 0)
     result = json.loads(run([HPCDL, "evaluate", str(run_dir), "--json"], work))
     return {
         "run": str(run_dir), "submit_wall_s": wall,

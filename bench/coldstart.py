@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does the hybrid mode learn from a cold start? `make run`'s training (HEP 64², 32 filters, two
 single-rank groups and the applier) repeated per setting, group 0's loss and the master's
 validation AUC by step; and, to see why, the same network in one process with the applier's own
@@ -13,11 +12,11 @@ rule and a fixed delay.
   each step by the staleness, as the applier does. A dead start shows as a loss stuck at 0.69 with
   the first convolutions' biases driven negative (their ReLUs then output zeros on sparse images).
 
-    .venv/bin/python bench/coldstart.py real --runs 4 --steps 300
-    .venv/bin/python bench/coldstart.py delay --lags=-1,0,2 --seeds 0,1,2 --steps 150 \
+    .venv/bin/python -m bench.coldstart real --runs 4 --steps 300
+    .venv/bin/python -m bench.coldstart delay --lags=-1,0,2 --seeds 0,1,2 --steps 150 \
         --set exchange.staleness_scaling=false
 
-Results: bench/results/coldstart-<date>.json.
+Results: bench/results/coldstart/<date>-<machine>.json.
 """
 
 from __future__ import annotations
@@ -29,11 +28,10 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from run import RESULTS, machine  # noqa: E402  (bench/run.py: the machine facts)
+from bench.harness import HPCDL, machine, result_path, write_result
+from bench.local_runs import metrics
 
-HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+SUITE = "coldstart"
 MAKE_RUN = ["model.filters=32"]
 SETTINGS = {"two updates in flight": ["exchange.max_outstanding=2"], "job defaults": []}
 
@@ -56,8 +54,7 @@ def real_run(data: dict[str, Path], runs: Path, steps: int, extra: list[str]) ->
                          capture_output=True, text=True, check=True)
     run_dir = Path(json.loads(out.stdout)["run_dir"])
     loss, auc = {}, {}
-    for line in (run_dir / "groups" / "0" / "metrics.jsonl").read_text().splitlines():
-        record = json.loads(line)
+    for record in metrics(run_dir, 0):
         if record["step"] % 50 == 0:
             loss[record["step"]] = round(record["loss"], 3)
         if "val_auc" in record:
@@ -141,8 +138,7 @@ def main(argv=None) -> int:
                 res = delay_run(data, args.steps, lag, seed, args.set)
                 results["runs"].append(res)
                 print(json.dumps(res), flush=True)
-    path = args.json or RESULTS / f"coldstart-{time.strftime('%Y-%m-%d_%H%M%S')}.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    path = write_result(args.json or result_path(SUITE, results["machine"]), results)
     print(f"results: {path}")
     return 0
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Many groups against K appliers: a load test of the asynchronous exchange on this machine.
 
 G simulated group roots (light processes: numpy and hpcdl.exchange only, no TensorFlow) run the
@@ -46,7 +45,7 @@ Every result records the CPU model (/proc/cpuinfo), its avx2/avx512f flags and t
 
 Usage:
 
-    python bench/exchange_load.py [--groups 64] [--seconds 60] [--sizes 594178,16384]
+    python -m bench.exchange_load [--groups 64] [--seconds 60] [--sizes 594178,16384]
                                   [--shards 1,2,4] [--interval 0.065] [--max-pending 4]
                                   [--dir DIR] [--no-fsync] [--no-pin] [--breakdown]
                                   [--json FILE]
@@ -74,14 +73,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hpcdl.exchange import Channel, Signer, parse_update_name  # noqa: E402
-from hpcdl.exchange.shards import Partition  # noqa: E402
-from hpcdl.exchange.group import ExchangeSync  # noqa: E402  (imported before the forks: shared)
-from hpcdl.applier.config import ApplierConfig  # noqa: E402
+from hpcdl.applier.config import ApplierConfig
+from hpcdl.engine.tuning import read_cpuinfo
+from hpcdl.exchange import Channel, Signer, update_name
+from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
+from hpcdl.exchange.shards import Partition
+from hpcdl.runs import read_jsonl
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178
@@ -110,18 +107,10 @@ def partition_of(shapes: dict[str, tuple[int, ...]], shards: int) -> Partition:
 
 
 def machine() -> dict:
-    """The CPU model, its vector flags, the core count and the load average, as recorded."""
-    model, flags = None, set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and model is None:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"cpu_model": model, "avx2": "avx2" in flags, "avx512f": "avx512f" in flags,
+    """The CPU model, its vector flags, the core count and the load average, as recorded (lighter
+    than bench.harness.machine: no git, lscpu or package versions in the load's processes)."""
+    cpu = read_cpuinfo(env={})  # the CPU's own flags: ONEDNN_MAX_CPU_ISA caps oneDNN, not numpy
+    return {"cpu_model": cpu.model, "avx2": "avx2" in cpu.flags, "avx512f": "avx512f" in cpu.flags,
             "cores": os.cpu_count(),
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
 
@@ -254,27 +243,20 @@ def applier(root: str, key: bytes, shapes: dict, fsync: bool, stop_file: str, dr
 # ------------------------------------------------------------------------------------------------
 
 
-def read_events(root: Path) -> list[dict]:
-    events = []
-    for name in ("events.jsonl.1", "events.jsonl"):
-        path = root / "applier" / name
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    pass
-    return events
+def read_events(ch: Channel) -> list[dict]:
+    """The applier's events, the rotated file's first (the applier keeps one, named so)."""
+    rotated = ch.events_path.with_name(ch.events_path.name + ".1")
+    return [event for path in (rotated, ch.events_path) for event in read_jsonl(path)]
 
 
-def ledger_check(root: Path, pubs: list[dict], shard: int = 0) -> dict:
+def ledger_check(ch: Channel, pubs: list[dict], shard: int = 0) -> dict:
     """Exactly once, in one shard: published = applied (once) + dropped by the publisher's bound
     on this shard's channel + pending. ``pubs``' ``dropped`` holds one list of seqs per shard."""
-    events = read_events(root)
+    events = read_events(ch)
     taken = [(e["group"], e["seq"]) for e in events if e["event"] in ("applied", "dropped")]
     applied = set(taken)
     twice = len(taken) - len(applied)
-    pending = {parse_update_name(n) for n in os.listdir(root / "updates")} - {None}
+    pending = {(ref.group, ref.seq) for ref in ch.pending_updates()}
     lost, dropped_total, published_total, raced = [], 0, 0, 0
     for p in pubs:
         g = p["group"]
@@ -322,10 +304,6 @@ def combine_ledgers(shards: list[dict], pubs: list[dict]) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def _backlog(updates: Path) -> int:
-    return sum(1 for n in os.listdir(updates) if n.startswith("u-"))
-
-
 def run_shards(params: int, shards: int, args, base: Path) -> dict:
     """G publishers against `shards` appliers for args.seconds; the figures of the run."""
     shapes = hep_layout(params)
@@ -337,8 +315,7 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     results = base / f"r-{n_params}-k{shards}"
     results.mkdir(parents=True)
     key = secrets.token_bytes(32)
-    for r in roots:
-        Channel(r, RUN_ID, signer=Signer(key))  # create the layout once
+    channels = [Channel(r, RUN_ID, signer=Signer(key)) for r in roots]  # the layout, made once
     ctx = mp.get_context("fork")
     stop_file = str(results / "stop")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
@@ -366,15 +343,15 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     while time.time() < stop:
         time.sleep(0.25)
         if time.time() >= start:
-            for k, r in enumerate(roots):
+            for k, ch in enumerate(channels):
                 try:
-                    samples[k].append(_backlog(r / "updates"))
+                    samples[k].append(ch.backlog())
                 except OSError:
                     pass
     for p in pubs:
         p.join(timeout=120)
     load_end = time.time()
-    at_end = [_backlog(r / "updates") for r in roots]
+    at_end = [ch.backlog() for ch in channels]
     Path(stop_file).touch()
     for a in apps:
         a.join(timeout=args.drain + 120)
@@ -386,13 +363,13 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
            if (results / f"g{g}.json").exists()]
     aps = [json.loads((results / f"applier-{k}.json").read_text())
            if (results / f"applier-{k}.json").exists() else {} for k in range(shards)]
-    checks = [ledger_check(roots[k], pub, k) for k in range(shards)]
+    checks = [ledger_check(channels[k], pub, k) for k in range(shards)]
     ledger = combine_ledgers(checks, pub)
     published = sum(p["published"] for p in pub)
     load_s = load_end - start
     per_shard = []
-    for k, (ap, r) in enumerate(zip(aps, roots)):
-        in_load = sum(1 for e in read_events(r)
+    for k, (ap, ch) in enumerate(zip(aps, channels)):
+        in_load = sum(1 for e in read_events(ch)
                       if e["event"] == "applied" and start <= e["time"] <= load_end)
         handled = ap.get("handled", 0)
         # The updates this shard read: a file listed and then deleted by its publisher's backlog
@@ -610,7 +587,7 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts
 
         copies = []
         for i in range(reps):
-            dest = ch.updates_dir / f"u-g000001-s{i:012d}.hx"
+            dest = ch.updates_dir / update_name(1, i)
             shutil.copyfile(path, dest)
             copies.append(dest)
         it = iter(copies)

@@ -38,9 +38,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-from run import RESULTS, Probe, log, machine  # noqa: E402  (bench/run.py: the probe and machine facts)
+from bench.harness import RESULTS, Probe, log, machine, result_path
 
 HPCDL = str(Path(sys.executable).with_name("hpcdl"))
 RANKS = 8
@@ -416,7 +414,7 @@ def main(argv=None) -> int:
     text = render(summary, args.target)
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"race-{time.strftime('%Y-%m-%d_%H%M%S')}.json"
+    path = result_path("race", env_machine)
     path.write_text(json.dumps({
         "machine": env_machine, "seeds": seeds, "target_auc": args.target, "ranks": RANKS,
         "batch_per_rank": BATCH, "image": IMAGE, "model": MODEL, "step_seconds": args.step_seconds,

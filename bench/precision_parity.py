@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Does tuning.precision = "mixed_bfloat16" learn as well as float32? The HEP network trained
 twice from the same initial weights on the same batches, once per precision, then both scored on
 the same validation file: the issue's criterion is a weighted validation AUC within 0.005.
@@ -7,9 +6,9 @@ Only meaningful on a CPU with a bfloat16 unit (AVX512_BF16 or AMX): elsewhere Te
 bfloat16 and the job option is refused, so the script refuses too (--emulated runs it anyway, as
 a smoke test whose figure is not a parity result). Both models are scored in float32, as
 `hpcdl evaluate` scores a checkpoint (its weights are float32 either way); the mixed model's own
-bfloat16 forward pass is scored too. Results: bench/results/precision-<date>.json.
+bfloat16 forward pass is scored too. Results: bench/results/precision/<date>-<machine>.json.
 
-    .venv/bin/python bench/precision_parity.py --steps 300 --image 64 --filters 64
+    .venv/bin/python -m bench.precision_parity --steps 300 --image 64 --filters 64
 """
 
 from __future__ import annotations
@@ -21,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-RESULTS = REPO / "bench" / "results"
+from bench.harness import machine, result_path, write_result
+
+SUITE = "precision"
 TOLERANCE = 0.005
 
 
@@ -104,9 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                     log=lambda m: print(f"[parity {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     result.update(cpu=cpu.model, isa=cpu.vector_isa, bf16_unit=cpu.bf16_unit, flags=" ".join(sorted(cpu.flags)),
                   emulated=not cpu.bf16, tolerance=TOLERANCE)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"precision-{time.strftime('%Y-%m-%d_%H%M%S')}.json"
-    path.write_text(json.dumps(result, indent=1))
+    result["machine"] = machine()
+    path = write_result(result_path(SUITE, result["machine"]), result)
     print(json.dumps({k: result[k] for k in ("auc_difference", "within_tolerance", "emulated")}))
     print(f"results: {path}")
     return 0 if result["within_tolerance"] else 1

@@ -1,10 +1,10 @@
-#!/usr/bin/env python
-"""A measuring process for bench/run.py: started once, then driven by JSON commands on stdin.
+"""A measuring process for bench.harness.Probe (`python -m bench.probe`): started once, then driven
+by JSON commands on stdin.
 
-Keeping the process alive lets run.py interleave measurements of several configurations (each in
+Keeping the process alive lets the bench interleave measurements of several configurations (each in
 its own process, since oneDNN and the thread pools are fixed when TensorFlow loads) round by round,
 so that the noise of a shared machine hits all of them alike. Replies are single lines on stdout
-starting with "@@ "; anything else there (library chatter) is ignored by run.py.
+starting with "@@ "; anything else there (library chatter) is ignored by the harness.
 
 Roles:
 
@@ -16,7 +16,7 @@ Roles:
   oneDNN's BF16 fpmath mode on the unchanged float32 model), the HEP network of the paper
   (HepCNN(HepModelConfig()), 5 convolutions of 128 3×3 filters) at --image², and the engine's
   training step: the workload's loss, gradient tape, hpcdl.engine.optim's Adam. No Horovod (one rank's
-  allreduce is a copy); bench/run.py's sustained figure comes from a real `hpcdl submit` run.
+  allreduce is a copy); `make bench`'s sustained figure comes from a real `hpcdl submit` run.
   Also: TensorFlow's own matmul (float32 / bfloat16), and the step with precision
   "mixed_bfloat16": the same model and variables computing in bfloat16 (the engine's
   tuning.precision = "mixed_bfloat16"), beside the fpmath mode of the --precision process.
@@ -39,9 +39,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 
 def reply(obj) -> None:
@@ -298,7 +295,7 @@ def main() -> int:
             break
         try:
             reply({"ok": True, **getattr(probe, op)(cmd)})
-        except Exception as exc:  # reported to run.py, which decides
+        except Exception as exc:  # reported to the harness, which decides
             reply({"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()})
     return 0
 

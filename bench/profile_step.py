@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Where the time of one HEP training step goes: TensorFlow's profiler, per op class, beside FLOPs.
 
 The engine's step (the workload's loss, gradient tape, Horovod's DistributedGradientTape and
@@ -17,9 +16,9 @@ own timings per primitive kind (convolution, reorder, pooling, eltwise, ...). Th
 the step a little; it is for the shares, not the speed.
 
 Prints the table; `--json FILE` writes it with the CPU (model, ISA, flags) and the load average.
-bench/run.py's "profile" section runs this script and puts its rows in the bench table.
+`make bench`'s profile section (bench.sections.profile) runs this module and puts its rows in the bench table.
 
-    .venv/bin/python bench/profile_step.py --image 224 --batch 32
+    .venv/bin/python -m bench.profile_step --image 224 --batch 32
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 CLASSES = ("conv forward", "conv backward input", "conv backward filter", "pooling", "ReLU and bias",
            "dropout random numbers", "dropout mask", "Adam update", "Horovod", "loss and head", "other")

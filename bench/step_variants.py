@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Changes to the HEP step that are not compute, measured side by side in one process.
 
 Each variant is the engine's step (loss, gradient tape, Adam) on the same model variables with
@@ -27,10 +26,10 @@ step times (variant / reference). Choices:
   in the channel axis), its gradient by the same comparisons (ties go to the first row, then
   the first column: measure-zero after the ReLU, whose gradient is zero at a tie of zeros).
 
-Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are bench/run.py's tuning
+Threads (inter-op / intra-op) are fixed when TensorFlow loads, so they are `make bench`'s tuning
 section (one process per setting), not a variant here.
 
-    .venv/bin/python bench/step_variants.py --rounds 4 --json bench/results/variants-<date>.json
+    .venv/bin/python -m bench.step_variants --rounds 4 --json bench/results/variants/<date>-<machine>.json
 """
 
 from __future__ import annotations
@@ -44,9 +43,6 @@ import statistics
 import sys
 import time
 from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 REFERENCE = {"dropout": "tf", "bias": "matmul_grad", "adam": "loop", "wgrad": "tensorflow", "order": "relu_pool",
              "pool": "max_pool2d"}

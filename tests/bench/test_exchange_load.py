@@ -1,4 +1,4 @@
-"""bench/exchange_load.py with exchange.shards = K (issue 14, item 4): K applier processes, the
+"""bench.exchange_load with exchange.shards = K (issue 14, item 4): K applier processes, the
 group roots split each update over them, and the exactly-once ledger holds in every shard."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from tests.conftest import REPO
 def test_two_shards_every_update_applied_whole_once_in_each_shard(tmp_path):
     out = tmp_path / "load.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "exchange_load.py"), "--dir", str(tmp_path), "--json", str(out),
+        [sys.executable, "-m", "bench.exchange_load", "--dir", str(tmp_path), "--json", str(out),
          "--groups", "6", "--seconds", "3", "--sizes", "4096", "--shards", "1,2", "--interval", "0.2",
          "--max-pending", "0", "--no-fsync", "--drain", "60"],
-        capture_output=True, text=True, timeout=120)
+        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "ledger 1   OK" in proc.stdout and "per shard" in proc.stdout
     [entry] = json.loads(out.read_text())
@@ -44,9 +44,9 @@ def test_two_shards_every_update_applied_whole_once_in_each_shard(tmp_path):
 def test_the_breakdown_measures_one_shard_of_each_k_and_the_planner_advises_from_the_fit(tmp_path):
     out = tmp_path / "bd.json"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "exchange_load.py"), "--dir", str(tmp_path), "--json", str(out),
+        [sys.executable, "-m", "bench.exchange_load", "--dir", str(tmp_path), "--json", str(out),
          "--breakdown-only", "--reps", "4", "--max-batch", "4", "--shards", "2", "--no-pin", "--groups", "64"],
-        capture_output=True, text=True, timeout=300)
+        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     bd = json.loads(out.read_text())["breakdown"]
     shards = bd["shard_step_per_update"]

@@ -1,4 +1,4 @@
-"""bench/profile_step.py's parsing: op names as TensorFlow's profiler records them, oneDNN's verbose lines."""
+"""bench.profile_step's parsing: op names as TensorFlow's profiler records them, oneDNN's verbose lines."""
 
 from __future__ import annotations
 

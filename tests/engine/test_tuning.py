@@ -312,7 +312,7 @@ def test_onednn_isa_cap_is_the_cpu_every_rule_sees(tmp_path):
     assert capped_cpu(SPR, "ALL") == SPR and capped_cpu(SPR, "") == SPR
 
 
-# -- rank layouts (bench/run.py's layout section) ---------------------------------------------
+# -- rank layouts (bench/sections/layout.py) -------------------------------------------------
 
 
 def test_cpulists_and_numa_domains(tmp_path):

@@ -1,8 +1,8 @@
-#!/usr/bin/env python
-"""One rank of bench/run.py's `allreduce` section: Horovod's allreduce of the HEP gradient.
+"""One rank of `make bench`'s allreduce section: Horovod's allreduce of the HEP gradient.
 
-Started as a group of ranks, by bench/run.py either with Gloo's variables and a rendezvous
-(run.controller = "gloo") or under mpirun (run.controller = "mpi"), like hpcdl starts a group.
+Started as a group of ranks (`python -m bench.allreduce_rank`) by bench.sections.allreduce, either
+with Gloo's variables and a rendezvous (run.controller = "gloo") or under mpirun
+(run.controller = "mpi"), like hpcdl starts a group.
 Each rank allreduces tensors shaped like the HEP network's variables (594,178 float32, 2.38 MB)
 inside a tf.function, as the engine's DistributedGradientTape does (one allreduce per tensor,
 fused by Horovod), `--warmup` times, then `--reps` timed times; rank 0 checks the average
@@ -17,9 +17,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> int:
@@ -34,7 +31,7 @@ def main() -> int:
     tf.config.threading.set_inter_op_parallelism_threads(1)
     import horovod.tensorflow as hvd
 
-    from run import hep_gradient  # bench/run.py: the HEP network's variable shapes
+    from bench.sections.exchange import hep_gradient
 
     hvd.init()
     grads = hep_gradient(params_seed=hvd.rank())
