@@ -5,7 +5,8 @@ common sections and each registered workload's `[data]` and `[model]`): a field'
 come from the dataclass, its help from the comments written beside it in the source, and its
 allowed values from what the section's `validate()` says when given a value outside them, so the
 page says exactly what a job file is checked against. `docs/reference/cli.md` is rendered from the
-click commands. Both are pure functions of the code; `python -m hpcdl.reference` writes the pages
+click commands, `docs/reference/planner-inputs.md` from `hpcdl.perf.inputs`' table of inputs and
+its presets. All are pure functions of the code; `python -m hpcdl.reference` writes the pages
 and `--check` exits 1 when a committed page differs (tests/test_reference.py runs it).
 """
 
@@ -225,9 +226,36 @@ def render_cli() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def render_planner_inputs() -> str:
+    """docs/reference/planner-inputs.md: the inputs of `hpcdl plan`, with both presets."""
+    from hpcdl.perf.inputs import FIELDS, HPCDL_DEFAULTS, PAPER_CORI_HEP
+
+    out = ["# Planner inputs", "", GENERATED_NOTE, "",
+           "What `hpcdl plan` assumes, input by input. `--inputs paper` takes the paper's column; "
+           "without `--inputs` the planner measures this machine's `node_flops` (or takes "
+           "`--node-flops`) and the job's `[exchange]` section, and takes the rest from the hpcdl "
+           "column. A `.toml` or `.json` file given as `--inputs FILE` sets any of these fields "
+           "over a base preset (`base = \"paper\"`, or `base = \"hpcdl\"`, the default, which "
+           "then needs `node_flops`); every plan prints each input with its source.", "",
+           "| input | unit | meaning | hpcdl default | the paper (Kurth et al., SC17, on Cori) |",
+           "|---|---|---|---|---|"]
+    for f in FIELDS:
+        cells = [f"`{f.name}`", f.unit, f.meaning]
+        for preset in (HPCDL_DEFAULTS, PAPER_CORI_HEP):
+            value, source = preset.get(f.name, (None, "this machine and the job (or --node-flops)"))
+            cells.append(("" if value is None else f"`{_number(value)}`: ") + source)
+        out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(out).rstrip() + "\n"
+
+
 PAGES = {
     Path("docs/reference/configuration.md"): render_configuration,
     Path("docs/reference/cli.md"): render_cli,
+    Path("docs/reference/planner-inputs.md"): render_planner_inputs,
 }
 
 
