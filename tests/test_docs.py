@@ -74,15 +74,20 @@ def setups(page: Path) -> set[str]:
     return set(SETUP.findall(page.read_text(encoding="utf-8")))
 
 
+def write_hep_data(directory: Path) -> None:
+    """A tiny HEP set at directory/data/hep/, in the layout `hpcdl data generate hep` writes."""
+    data = directory / "data" / "hep"
+    data.mkdir(parents=True)
+    for split, n, seed in (("train", 1024, 1), ("val", 256, 2), ("test", 256, 3)):
+        write_nersc(data / f"{split}.h5", n, seed=seed)
+
+
 def prepare(directory: Path, page: Path) -> None:
     """What a page says it starts from."""
     for setup in setups(page):
         if setup != "hep-data":
             raise AssertionError(f"{page}: unknown doc-test setup {setup!r}")
-        data = directory / "data" / "hep"
-        data.mkdir(parents=True)
-        for split, n, seed in (("train", 1024, 1), ("val", 256, 2), ("test", 256, 3)):
-            write_nersc(data / f"{split}.h5", n, seed=seed)
+        write_hep_data(directory)
 
 
 def run_block(block: Block, cwd: Path, env: dict[str, str], rewrite=lambda text: text) -> None:
