@@ -12,6 +12,8 @@ and `--check` exits 1 when a committed page differs (tests/test_reference.py run
 
 from __future__ import annotations
 
+import argparse
+import ast
 import dataclasses
 import inspect
 import io
@@ -48,7 +50,9 @@ def field_comments(cls: type, section: str = "") -> dict[str, str]:
         if tok.type == tokenize.COMMENT:
             text = tok.string.lstrip("#").strip()
             (standalone if tok.line.strip().startswith("#") else trailing)[tok.start[0]] = text
-    field_line = re.compile(r"^\s{4}(\w+)\s*:")
+    body = ast.parse(source).body[0].body
+    fields = {node.lineno: node.target.id for node in body
+              if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
     comments: dict[str, str] = {}
     block: list[str] = []
     block_owner = ""  # the first field under the current block
@@ -58,14 +62,11 @@ def field_comments(cls: type, section: str = "") -> dict[str, str]:
                 block, block_owner = [], ""
             block.append(standalone[number])
             continue
-        if line.lstrip().startswith("def "):
-            break
-        match = field_line.match(line)
-        if match is None:
+        if number not in fields:
             if not line.strip():
                 block, block_owner = [], ""
             continue
-        name, own = match.group(1), trailing.get(number, "")
+        name, own = fields[number], trailing.get(number, "")
         if block and not block_owner:
             block_owner = name
             comments[name] = " ".join([*block, own]).strip()
@@ -117,10 +118,11 @@ def _refusal(section: str, name: str, default_instance: Any, probes: tuple[Any, 
 
 def allowed_values(section: str, cls: type, name: str, hint: Any) -> str:
     """A field's allowed values, as its section's validation states them ('' if it takes any)."""
-    instance = cls()
-    if not hasattr(instance, "validate"):
+    if not hasattr(cls, "validate") or typing.get_origin(hint) in (list, tuple, dict):
         return ""
-    if typing.get_origin(hint) in (list, tuple, dict):
+    try:
+        instance = cls()
+    except TypeError:  # a section with required fields: no default instance to vary
         return ""
     accepts = set(typing.get_args(hint)) or {hint}
     probes: tuple[Any, ...] = ()
@@ -141,14 +143,13 @@ def section_table(section: str, cls: type) -> list[str]:
     lines = ["| field | type | default | allowed | help |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
-            default = f.default
+            default = f"`{toml_value(f.default)}`" if f.default is not None else "none"
         elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
+            default = f"`{toml_value(f.default_factory())}`"
         else:
-            default = None
+            default = "(required)"
         lines.append("| " + " | ".join([
-            f"`{section}.{f.name}`", type_name(hints[f.name]),
-            "(required)" if default is None else f"`{_cell(toml_value(default))}`",
+            f"`{section}.{f.name}`", type_name(hints[f.name]), _cell(default),
             _cell(allowed_values(section, cls, f.name, hints[f.name])), _cell(helps.get(f.name, "")),
         ]) + " |")
     return lines
@@ -176,18 +177,14 @@ def render_configuration() -> str:
         f"Workloads: {', '.join(f'`{n}`' for n in names())}. The common sections come first, then "
         "each workload's `[data]` and `[model]`.", "",
     ]
-    for section, cls in COMMON_SECTIONS.items():
-        out += [f"## [{section}]", ""]
-        summary = _summary(cls)
-        out += [summary, ""] if summary else []
-        out += [*section_table(section, cls), ""]
+    sections = [(f"[{section}]", section, cls) for section, cls in COMMON_SECTIONS.items()]
     for name in names():
         workload = get_workload(name)
-        for section, cls in (("data", workload.DataConfig), ("model", workload.ModelConfig)):
-            out += [f"## [{section}] of `workload = \"{name}\"`", ""]
-            summary = _summary(cls)
-            out += [summary, ""] if summary else []
-            out += [*section_table(section, cls), ""]
+        sections += [(f"[{section}] of `workload = \"{name}\"`", section, cls)
+                     for section, cls in (("data", workload.DataConfig), ("model", workload.ModelConfig))]
+    for title, section, cls in sections:
+        summary = _summary(cls)
+        out += [f"## {title}", "", *([summary, ""] if summary else []), *section_table(section, cls), ""]
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -217,11 +214,12 @@ def render_cli() -> str:
         if command is not main:
             help_text = inspect.cleandoc(command.help or "")
             out += [" ".join(p.split()) + "\n" for p in help_text.split("\n\n") if p.strip()]
-        rows = [p.get_help_record(ctx) for p in command.get_params(ctx)]
-        rows = [r for r in rows if r is not None]
+        rows = [(p, p.get_help_record(ctx)) for p in command.get_params(ctx)]
+        rows = [(p, r) for p, r in rows if r is not None]
         if rows:
             out += ["| option | description |", "|---|---|"]
-            out += [f"| `{_cell(opts)}` | {_cell(text)} |" for opts, text in rows]
+            out += [f"| `{_cell(opts)}` | {_cell(text or ('argument' if isinstance(p, click.Argument) else ''))} |"
+                    for p, (opts, text) in rows]
             out += [""]
     return "\n".join(out).rstrip() + "\n"
 
@@ -268,11 +266,12 @@ def stale_pages(root: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     """`python -m hpcdl.reference [--check] [ROOT]`: write the pages under ROOT (default: .), or
     with --check say which differ and exit 1."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    check = "--check" in args
-    args = [a for a in args if a != "--check"]
-    root = Path(args[0] if args else ".")
-    if check:
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.reference", description=main.__doc__)
+    parser.add_argument("root", nargs="?", default=".", type=Path, help="the repository (default: .)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page differs")
+    args = parser.parse_args(argv)
+    root = args.root
+    if args.check:
         stale = stale_pages(root)
         for path in stale:
             print(f"{path} differs from the code: run `python -m hpcdl.reference` and commit it", file=sys.stderr)

@@ -66,3 +66,29 @@ def test_cli_page_lists_every_command_and_option():
         assert f"## `hpcdl {name}`" in page
     assert "## `hpcdl data generate`" in page
     assert "`--dry-run`" in page and "`--group-size INTEGER RANGE`" in page
+
+
+def test_planner_inputs_page_lists_every_input_with_both_presets():
+    from hpcdl.perf.inputs import FIELDS
+    from hpcdl.reference import render_planner_inputs
+
+    page = render_planner_inputs()
+    for f in FIELDS:
+        row = next(line for line in page.splitlines() if line.startswith(f"| `{f.name}` |"))
+        assert row.count("|") == 6
+    assert "`1.9e+12`: paper" in page
+
+
+def test_required_fields_none_defaults_and_lists_render_as_a_job_file_spells_them():
+    from hpcdl.reference import section_table
+
+    @dataclasses.dataclass(frozen=True)
+    class Section:
+        builder: str  # the user's function
+        limit: int | None = None
+        sizes: tuple[int, ...] = (32, 64)
+
+    rows = section_table("model", Section)
+    assert rows[2] == "| `model.builder` | string | (required) |  | the user's function |"
+    assert rows[3].startswith("| `model.limit` | integer | none |")
+    assert rows[4].startswith("| `model.sizes` | list of integers | `[32, 64]` |")
