@@ -126,34 +126,19 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
         _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,
                     "commands": prepared.dryrun.commands}) if as_json else click.echo(text, nl=False)
         return
-    _start_and_report(prepared.job, prepared.scheduler.name, lambda **kw: submit_run(prepared, **kw),
-                      detach, as_json)
+    _start_and_report(prepared.job, lambda **kw: submit_run(prepared, **kw), detach, as_json)
 
 
-def _start_and_report(job, backend: str, start, detach: bool, as_json: bool) -> None:
-    """Start a prepared run (submit or resume): the local backend in the foreground with a
-    progress bar unless detached; print the run and its SLURM job ids."""
-    if backend == "local" and not detach and not as_json:
-        from hpcdl.display import training_progress
+def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
+    """Start a prepared run (submit or resume), with a progress bar while the backend keeps it
+    attached here (the local one, unless detached); print the run and its SLURM job ids."""
+    from hpcdl.display import GroupProgress
 
-        with training_progress(console) as progress:
-            tasks = {}
-
-            def on_tick(supervisor):
-                for g, gp in supervisor.groups.items():
-                    state = _read_state(supervisor.run.group_state_file(g))
-                    if g not in tasks:
-                        tasks[g] = progress.add_task("", total=supervisor.job.train.steps, group=g, info="")
-                    info = gp.state
-                    if state.get("loss") is not None:
-                        info = (f"loss {state['loss']:.3f} · {state['images_per_s']:.0f} img/s · "
-                                f"{state['flops_per_s_group'] / 1e9:.1f} GFLOP/s" +
-                                (f" · restarts {gp.restarts}" if gp.restarts else ""))
-                    progress.update(tasks[g], completed=state.get("step", 0), info=info)
-
-            result = start(foreground=True, on_tick=on_tick)
+    if as_json or detach:
+        result = start(detach=detach)
     else:
-        result = start(foreground=not detach)
+        with GroupProgress(console, job.train.steps) as progress:
+            result = start(detach=False, watch=progress.update)
     if as_json:
         _emit_json(result)
     else:
@@ -193,18 +178,7 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
         cli_overrides.append("run.check_data=false")
     prepared = prepare_resume(find_run(run, runs_dir), cli_overrides,
                               on_note=lambda note: err.print(note, soft_wrap=True, markup=False))
-    _start_and_report(prepared.job, prepared.scheduler.name, lambda **kw: resume_run(prepared, **kw),
-                      detach, as_json)
-
-
-def _read_state(path: Path) -> dict:
-    from hpcdl.files import read_regular
-
-    try:
-        state = json.loads(read_regular(path).decode("utf-8"))
-    except (OSError, ValueError):  # not written yet, torn, garbled: the next refresh will do
-        return {}
-    return state if isinstance(state, dict) else {}
+    _start_and_report(prepared.job, lambda **kw: resume_run(prepared, **kw), detach, as_json)
 
 
 # -- status / cancel ------------------------------------------------------------------------------

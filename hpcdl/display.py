@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
 from rich import box
@@ -72,6 +73,8 @@ def status_view(status: Mapping[str, Any]):
     for g in status["groups"]:
         if "logs" in g:
             reason = escape(g["last_error"]) if g.get("last_error") else "no error line in its logs"
+            if g.get("reason") and g["reason"] not in (g.get("last_error") or ""):
+                reason += f"\n  {escape(g['reason'])}"  # hpcdl's word on its restarts
             where = ", ".join(escape(p) for p in g["logs"]) or "no log files"
             parts.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
                          f"(hpcdl logs {escape(status['run_dir'])} --group {g['group']})")
@@ -138,12 +141,51 @@ def metrics_table(title: str, metrics: Mapping[str, Any]) -> Table:
     return table
 
 
-def training_progress(console) -> Progress:
-    return Progress(
-        TextColumn("[bold]group {task.fields[group]}[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-        console=console,
-    )
+class GroupProgress:
+    """A bar per group while a backend keeps the run attached (`Scheduler.schedule`'s watch):
+    each group's state from the backend's view, its step, loss and rates from its root's state
+    file. Shown only once the backend calls `update`."""
+
+    def __init__(self, console, steps: int):
+        self.console, self.steps = console, steps
+        self.progress: Progress | None = None
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> "GroupProgress":
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def update(self, run, view: dict[str, Any]) -> None:
+        if self.progress is None:
+            self.progress = Progress(
+                TextColumn("[bold]group {task.fields[group]}[/]"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+                console=self.console)
+            self.progress.start()
+        for g, backend in sorted((view.get("groups") or {}).items(), key=lambda item: int(item[0])):
+            state = _read_state(run.group_state_file(int(g)))
+            if g not in self.tasks:
+                self.tasks[g] = self.progress.add_task("", total=self.steps, group=g, info="")
+            info = str(backend.get("state", ""))
+            if state.get("loss") is not None:
+                info = (f"loss {state['loss']:.3f} · {state.get('images_per_s', 0):.0f} img/s · "
+                        f"{state.get('flops_per_s_group', 0) / 1e9:.1f} GFLOP/s" +
+                        (f" · restarts {backend['restarts']}" if backend.get("restarts") else ""))
+            self.progress.update(self.tasks[g], completed=state.get("step", 0), info=info)
+
+
+def _read_state(path) -> dict:
+    """A group's state file: not written yet, torn or garbled reads as empty (the next refresh will do)."""
+    from hpcdl.files import read_regular
+
+    try:
+        state = json.loads(read_regular(path).decode("utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def counting_progress(console, description: str, total: int | None) -> tuple[Progress, int]:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+RENDEZVOUS_PORT_ENV = "HOROVOD_GLOO_RENDEZVOUS_PORT"  # known only once a group's rendezvous started
 SUPERVISOR_PID_ENV = "HPCDL_SUPERVISOR_PID"  # set by the local backend in its children's environment
 PR_SET_PDEATHSIG = 1
 
@@ -106,7 +107,7 @@ class RankEnv:
             "HOROVOD_CROSS_SIZE": str(self.cross_size),
             "HOROVOD_HOSTNAME": self.hostname,
             "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
-            "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+            RENDEZVOUS_PORT_ENV: str(rendezvous_port),
             "HOROVOD_CONTROLLER": "gloo",
             "HOROVOD_CPU_OPERATIONS": "gloo",
             "HPCDL_GROUP": str(self.group),

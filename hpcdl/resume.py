@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from hpcdl.config import Job, JobError, load_job
 from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.lifecycle import forget_requeues
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun
 
@@ -110,11 +111,8 @@ def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, A
         write_bytes_atomic(target, text.encode())
         if text.startswith("#!"):
             target.chmod(0o755)
-    run.cancel_mark.unlink(missing_ok=True)
+    forget_requeues(run, job.run.groups)
     for g in range(job.run.groups):
-        # a fresh submission restarts SLURM's restart count, so our count of requeues restarts too
-        for mark in (run.stop_mark(g), run.requeue_mark(g), run.planned_requeues_file(g)):
-            mark.unlink(missing_ok=True)
         path = run.group_state_file(g)
         try:
             state = read_json_file(path)

@@ -10,6 +10,7 @@
       groups/<g>/rank<r>.log     each rank's stdout/stderr
       groups/<g>/mpirun.log      the local MPI launcher's own output (run.controller = "mpi")
       groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
+      groups/<g>/life.json       the group's life: state, restarts, exit codes, reason (hpcdl.lifecycle)
       checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
       tensorboard/<g>/      TensorBoard event files
       exchange/             the asynchronous channel (unless the job names another directory)
@@ -49,10 +50,6 @@ import tomllib
 
 
 MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.engine.train)
-# The names of the marks in a group's directory; the sbatch template gets them as placeholders.
-STOP_MARK_NAME = "stop"
-REQUEUE_MARK_NAME = "requeue"
-PLANNED_REQUEUES_NAME = "planned-requeues"  # SLURM: the requeues a group asked for itself
 
 
 class State(StrEnum):
@@ -151,6 +148,11 @@ class RunDir:
         return self.scheduler_dir / "local.json"
 
     @property
+    def local_plan_file(self) -> Path:
+        """The processes the local supervisor starts, as the dry run listed them."""
+        return self.scheduler_dir / "local-plan.json"
+
+    @property
     def slurm_jobs_file(self) -> Path:
         """The SLURM job ids of the run."""
         return self.scheduler_dir / "slurm.json"
@@ -219,16 +221,31 @@ class RunDir:
         return self.root / "groups"
 
     def stop_mark(self, group: int) -> Path:
-        """Left by the batch script (SLURM's warning signal): the group checkpoints and stops."""
-        return self.group_dir(group) / STOP_MARK_NAME
+        """Left by the group's life (hpcdl.lifecycle) on a stop request: the group checkpoints and stops."""
+        return self.group_dir(group) / "stop"
 
     def requeue_mark(self, group: int) -> Path:
         """Left by a group's rank 0 that stopped on request after a checkpoint: requeue it."""
-        return self.group_dir(group) / REQUEUE_MARK_NAME
+        return self.group_dir(group) / "requeue"
+
+    def input_error_file(self, group: int) -> Path:
+        """Left by a rank that refused its input (one line: what to fix); no restart can mend it."""
+        return self.group_dir(group) / "input-error"
+
+    def life_file(self, group: int) -> Path:
+        """The group's life as hpcdl.lifecycle last published it: state, restarts, the reason."""
+        return self.group_dir(group) / "life.json"
+
+    @property
+    def groups_ended_mark(self) -> Path:
+        """Left by the local supervisor once every group has ended, however: the applier then
+        applies its backlog and ends (a group that could not write its final state never says
+        "finished")."""
+        return self.scheduler_dir / "groups-ended"
 
     def planned_requeues_file(self, group: int) -> Path:
         """SLURM: how many times the group requeued itself at the warning signal."""
-        return self.group_dir(group) / PLANNED_REQUEUES_NAME
+        return self.group_dir(group) / "planned-requeues"
 
     def emulated_kill_mark(self, group: int) -> Path:
         """Exists once the straggler emulator's planned kill happened in this group."""

@@ -56,7 +56,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
 
             logs = run.group_logs(entry["group"])
             entry["logs"] = [str(p) for p in logs]
-            entry["last_error"] = last_error(logs)
+            entry["last_error"] = last_error(logs) or entry["reason"]
     applier = None
     if job.exchange.active(job.run.groups):
         applier = _appliers_summary(run, job, backend_view.get("applier"))
@@ -99,6 +99,7 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
     """Group g as status shows it: its root's last report, beside what the backend says."""
     metrics = read_jsonl(run.metrics_file(g))
     state = _read_json(run.group_state_file(g)) or {}
+    life = _read_json(run.life_file(g)) or {}  # hpcdl.lifecycle's record, on either backend
     last = metrics[-1] if metrics else {}
     reported = state.get("state", State.PENDING)
     group_state = _group_state(reported, backend.get("state"))
@@ -122,8 +123,12 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
         "published": last.get("exchange_published"),
         "adopted": last.get("exchange_adopted"),
         "unpublished": last.get("exchange_unpublished"),
-        # The local supervisor counts restarts; under SLURM each rank reports SLURM_RESTART_COUNT.
-        "restarts": max(backend.get("restarts", 0), last.get("restart_count", 0), state.get("restart_count", 0)),
+        # The group's life counts restarts after failures; under SLURM it also records SLURM's own
+        # count of the element's starts (requeues at the warning signal included).
+        "restarts": max(_count(backend.get("restarts")), _count(last.get("restart_count")),
+                        _count(state.get("restart_count")), _count(life.get("restarts")),
+                        _count(life.get("restart_count"))),
+        "reason": life.get("reason") or "",
         "backend": backend,
     }
 
@@ -236,6 +241,10 @@ def _run_state(states: list[State]) -> State:
     if State.CANCELLED in states:
         return State.CANCELLED
     return states[0] if states else State.UNKNOWN
+
+
+def _count(value) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
 def _sum(values) -> float | None:

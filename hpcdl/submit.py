@@ -126,9 +126,9 @@ def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
     try:
         ids = prepared.scheduler.schedule(dry, **schedule_options)
     except BaseException:
-        # A local run that failed while training keeps its directory: its logs say why.
-        if prepared.scheduler.name != "local":
-            shutil.rmtree(final.root, ignore_errors=True)
+        # Nothing was started (a backend undoes its part): nothing of the run is left. A run
+        # that started and then failed returns (ok is False) and keeps its logs.
+        shutil.rmtree(final.root, ignore_errors=True)
         raise
     final.update_info(**{k: v for k, v in ids.items() if k != "ok"})
     return {"run_id": final.run_id, "run_dir": str(final.root), **ids}

@@ -5,13 +5,14 @@
   the group's Horovod world (Gloo, or MPI with run.controller = "mpi"), and hand over to
   `hpcdl.engine.train`. SIGUSR1 asks the group to checkpoint and stop at the next step.
   SIGUSR2, to any of these processes, writes its threads' stacks to its log.
-* `--rendezvous --port-file F`: the Gloo rendezvous of one SLURM group, on its batch host.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
-  group has finished and nothing is left to apply, or on SIGTERM/SIGUSR1 after a commit. With
+  group has finished (or the local supervisor saw every group end) and nothing is left to apply,
+  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle). With
   `--slurm-array` it also ends, after the backlog, once SLURM holds no element of the group array
   (a cancelled or failed group never reports "finished").
 
-This is the glue between a scheduler and the engine; neither knows the other.
+This is the glue between a scheduler and the engine; neither knows the other. The processes'
+life (stop, restart, requeue) is hpcdl.lifecycle's.
 """
 
 from __future__ import annotations
@@ -30,13 +31,13 @@ from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 from hpcdl.files import read_regular
-from hpcdl.launch import (
-    LaunchError, RankEnv, expand_nodelist, follow_supervisor, slurm_group_plan, start_rendezvous,
-)
+from hpcdl.config import JobError
+from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
+from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
-EXIT_REQUEUE = 75  # EX_TEMPFAIL: the applier stopped on request; its batch script requeues it
 
 
 def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
@@ -66,17 +67,6 @@ def _read_stats(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return stats if isinstance(stats, dict) else None
-
-
-def serve_rendezvous(run: RunDir, job, port_file: Path) -> int:
-    """Serve one SLURM group's rendezvous until the batch script kills us."""
-    nodes = expand_nodelist(os.environ["SLURM_JOB_NODELIST"])
-    group = int(os.environ.get("SLURM_ARRAY_TASK_ID", "0"))
-    server, port = start_rendezvous(slurm_group_plan(nodes, job.run.ranks_per_node, group))
-    write_bytes_atomic(port_file, f"{port}\n".encode())
-    signal.sigwait({signal.SIGTERM, signal.SIGINT})
-    server.stop()
-    return 0
 
 
 def groups_finished(run: RunDir, groups: int) -> bool:
@@ -132,12 +122,12 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         channel = run_channel(run, job, shard=shard)  # the run's key and access policy
     except ValueError as exc:  # RunError: no sound run.key
         print(f"hpcdl applier: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     try:
         applier = Applier(channel, ApplierConfig.for_job(job))
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
-        return 3
+        return EXIT_LOCKED
     requeue = {"asked": False}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
@@ -147,12 +137,13 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         applier.request_stop()
 
     def done() -> bool:
-        over = groups_finished(run, job.run.groups) or (array_gone is not None and array_gone())
+        over = (groups_finished(run, job.run.groups) or run.groups_ended_mark.exists()
+                or (array_gone is not None and array_gone()))
         return over and channel.backlog() == 0
 
     with applier:
         applier.run(stop=done)
-    return EXIT_REQUEUE if requeue["asked"] else 0
+    return EXIT_REQUEUE if requeue["asked"] else EXIT_OK
 
 
 def log_to(path: Path, access) -> None:
@@ -171,7 +162,23 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
     except LaunchError as exc:  # where a rank sits: one line that says what to fix
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
-        return 1
+        return EXIT_FAILED
+    except (JobError, DataFileError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+        # The user's input (a data file missing on the compute nodes with --no-check-data): one
+        # line, as submit says it, and no restart is tried for it (srun may report another code
+        # than ours once it killed the group's other ranks: the mark says it).
+        print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
+        _mark_input_error(argv, str(exc))
+        return EXIT_USER_ERROR
+
+
+def _mark_input_error(argv: list[str] | None, text: str) -> None:
+    try:
+        run = RunDir(_parser().parse_args(argv).run_dir)
+        group = int(os.environ.get("HPCDL_GROUP") or os.environ.get("SLURM_ARRAY_TASK_ID") or 0)
+        write_bytes_atomic(run.input_error_file(group), (text.splitlines() or [""])[0].encode() + b"\n")
+    except (OSError, ValueError, SystemExit):
+        pass  # the exit code still says it where the launcher passes it on
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,9 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--slurm", action="store_true", help="a rank; read its place from SLURM's variables")
     mode.add_argument("--mpi", action="store_true", help="a rank under a local mpirun; read its place from MPI's")
-    mode.add_argument("--rendezvous", action="store_true", help="serve a SLURM group's rendezvous")
     mode.add_argument("--applier", action="store_true", help="run the exchange's applier")
-    parser.add_argument("--port-file", type=Path, help="with --rendezvous: where to publish the port")
     parser.add_argument("--shard", type=int, default=0, help="with --applier: which shard (exchange.shards)")
     parser.add_argument("--slurm-array", action="store_true",
                         help="with --applier: also stop once SLURM holds no element of the group array")
@@ -204,9 +209,6 @@ def _main(argv: list[str] | None) -> int:
     run = RunDir(args.run_dir)
     job = run.load_job()
     os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)
-    if args.rendezvous:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        return serve_rendezvous(run, job, args.port_file)
     if args.applier:
         return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
                              early_signal=lambda: stop["signal"], shard=args.shard)
@@ -245,7 +247,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     refusal = precision_refusal(job.tuning, read_cpuinfo())
     if refusal:
         print(f"hpcdl rank {rank_env.rank}: {refusal}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_USER_ERROR
     plan = plan_for_this_process(job.tuning, on_host, os.environ, slurm_task=args.slurm)
     os.environ.update(plan.environment())
     print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)
@@ -299,10 +301,10 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
                          report=report, pace=pace, validate=validate)
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
-        # the mark tells the batch script to requeue.
+        # the mark tells the group's life (hpcdl.lifecycle) it stopped at a checkpoint.
         run.requeue_mark(group).touch()
     hvd.shutdown()
-    return 0
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from hpcdl.config import Job, JobError
 from hpcdl.runs import RunDir
@@ -38,6 +38,7 @@ class DryRun:
     files: dict[str, str]  # path relative to the run directory -> content
     commands: list[list[str]]
     request: SubmitRequest
+    roles: list[str] = field(default_factory=list)  # what each command starts ("applier 0", "group 1", "array")
 
     def render(self) -> str:
         import shlex
@@ -82,8 +83,12 @@ class Scheduler(ABC):
         """Render the submission; no side effects."""
 
     @abstractmethod
-    def schedule(self, dryrun: DryRun) -> dict[str, Any]:
-        """Carry out a rendered submission; all or nothing. Returns ids to record in run.json."""
+    def schedule(self, dryrun: DryRun, *, detach: bool = False,
+                 watch: Callable[[RunDir, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Carry out exactly the rendered submission; all or nothing. Returns ids to record in
+        run.json, and ``ok`` where it waited for the run's end. A backend whose run stays attached
+        to this process (the local one, unless ``detach``) calls ``watch`` with its `describe()`
+        view of the run while it waits; a queueing backend returns once submitted."""
 
     @abstractmethod
     def describe(self, run: RunDir) -> dict[str, Any]:

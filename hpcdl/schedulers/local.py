@@ -12,31 +12,31 @@ weights. The supervisor publishes its view to `scheduler/local.json`, so `hpcdl 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.config import Job, JobError
 from hpcdl.launch import (
-    SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
+    RENDEZVOUS_PORT_ENV, SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
     worker_environ,
 )
+from hpcdl.lifecycle import ApplierLife, GroupLife, Popened
 from hpcdl.runkey import Access
-from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
+from hpcdl.runs import RunDir, RunError, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt
 
-BACKOFF_S = (1.0, 2.0, 5.0, 10.0)
 # A rank per core is best; a few may share one: tests, a small hybrid run, and the hybrid race's
 # 8 emulated ranks + applier on 2 cores (bench/hybrid_race.py), whose pace is set by sleeps.
 LOCAL_RANKS_PER_CORE = 5
 LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
-STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
 
 
@@ -60,211 +60,159 @@ def mpi_group_command(launcher: MpiLauncher, python: str, run: RunDir, ranks: in
     return launcher.command(ranks, [*worker_command(python, run), "--mpi"])
 
 
-@dataclass
-class GroupProcs:
-    group: int
-    procs: list[subprocess.Popen] = field(default_factory=list)
-    rendezvous: Any = None
-    restarts: int = 0
-    state: State = State.PENDING
-    next_start: float = 0.0
-    exit_codes: list[int | None] = field(default_factory=list)
-    # How to ask the processes to checkpoint and stop: the ranks take SIGTERM; mpirun would kill
-    # its ranks a few seconds after a SIGTERM (its man page), but passes SIGUSR1 on to them.
-    stop_signal: int = signal.SIGTERM
+def local_plan(job: Job, run: RunDir, python: str, cluster: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(role, command) of every process the supervisor starts: each shard's applier ("applier K"),
+    then each group's ranks ("group G"; one mpirun per group with run.controller = "mpi"). The
+    rendezvous port of a Gloo group is known only at its start: the supervisor adds it."""
+    plan = []
+    if job.exchange.active(job.run.groups):
+        plan += [(f"applier {k}", applier_command(python, run, k)) for k in range(job.exchange.shard_count)]
+    for g in range(job.run.groups):
+        if job.run.controller == "mpi":
+            launcher = MpiLauncher(cluster.get("mpi_launcher") or "mpirun", cluster.get("open_mpi", True))
+            env = local_group(g, 1)[0].to_mpi_env()
+            plan.append((f"group {g}", ["env", *(f"{k}={v}" for k, v in sorted(env.items())),
+                                        *mpi_group_command(launcher, python, run, job.run.ranks_per_group)]))
+            continue
+        for env in local_group(g, job.run.ranks_per_group):
+            hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
+            plan.append((f"group {g}", ["env", *(f"{k}={v}" for k, v in sorted(hvd.items())
+                                                 if k != RENDEZVOUS_PORT_ENV), *worker_command(python, run)]))
+    return plan
+
+
+@dataclass(frozen=True)
+class LocalLaunch:
+    """Starts the planned processes (`local_plan`): a group's ranks with a rendezvous of their
+    own (Gloo) or its one mpirun, a shard's applier. Every child ends with the supervisor
+    (hpcdl.launch.follow_supervisor)."""
+
+    run: RunDir
+    job: Job
+    plan: list[tuple[str, list[str]]]
+    access: Access
+
+    def _commands(self, role: str) -> list[list[str]]:
+        return [command for r, command in self.plan if r == role]
+
+    def _popen(self, command: list[str], log_path: Path, env: dict[str, str], **options) -> subprocess.Popen:
+        log = _open_log(log_path, self.access)
+        try:
+            return subprocess.Popen(command, env=worker_environ(os.environ, {**env, SUPERVISOR_PID_ENV: str(os.getpid())}),
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, **options)
+        finally:
+            log.close()
+
+    def group(self, group: int) -> Popened:
+        commands = self._commands(f"group {group}")
+        if self.job.run.controller == "mpi":
+            # The ranks under one mpirun, in a session of its own: a Ctrl-C reaches the supervisor,
+            # which asks mpirun to pass SIGUSR1 on (mpirun kills its ranks a few seconds after a
+            # SIGINT or SIGTERM, before they can checkpoint). Each rank writes its own log.
+            proc = self._popen(commands[0], self.run.mpi_launcher_log(group), {}, start_new_session=True)
+            return Popened([proc], stop_signal=signal.SIGUSR1)
+        rendezvous, port = start_rendezvous(local_group(group, len(commands)))
+        procs = [self._popen(command, self.run.rank_log(group, rank), {RENDEZVOUS_PORT_ENV: str(port)})
+                 for rank, command in enumerate(commands)]
+        return Popened(procs, on_close=rendezvous.stop)
+
+    def applier(self, shard: int) -> Popened:
+        # SIGTERM: the applier commits the update in progress and exits.
+        return Popened([self._popen(self._commands(f"applier {shard}")[0], self.run.shard_applier_log(shard), {})])
 
 
 class Supervisor:
-    """Starts, watches and restarts a run's processes; one per run, in the foreground or detached."""
+    """Runs a run's group lives and the appliers' life (hpcdl.lifecycle) on this machine, in the
+    foreground or detached; one per run."""
 
-    def __init__(self, run: RunDir, python: str = sys.executable):
+    def __init__(self, run: RunDir, python: str = sys.executable, plan: list[tuple[str, list[str]]] | None = None):
+        """`plan`: the processes to start (`local_plan`), as `schedule` recorded them; planned
+        here for this machine when None."""
         self.run = run
         self.job = run.load_job()
-        self.python = python
-        self.groups = {g: GroupProcs(g) for g in range(self.job.run.groups)}
-        # one applier per shard of the exchange (exchange.shards); none without an exchange
-        self.appliers: list[subprocess.Popen | None] = []
-        self.applier_restarts: list[int] = []
         self.stopping = False
-        self.launcher: MpiLauncher | None = None
-        if self.job.run.controller == "mpi":
-            self.launcher = find_mpi_launcher()
-            if self.launcher is None:
+        if plan is None:
+            if self.job.run.controller == "mpi" and find_mpi_launcher() is None:
                 raise RunError('run.controller = "mpi": no mpirun or mpiexec on PATH')
+            plan = local_plan(self.job, run, python, mpi_facts() if self.job.run.controller == "mpi" else {})
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
         self.access = run.access(self.job)
+        self.launch = LocalLaunch(run, self.job, plan, self.access)
         self.storage = StorageReport(run.supervisor_storage_file, self.access)
+        self.groups = {g: GroupLife(run, g, self.job.run.max_restarts, functools.partial(self.launch.group, g))
+                       for g in range(self.job.run.groups)}
+        self.appliers: ApplierLife | None = None
+        if self.job.exchange.active(self.job.run.groups):
+            self.appliers = ApplierLife(run, self.job.exchange.shard_count, self.job.run.max_restarts,
+                                        self.launch.applier, log=lambda text: print(f"hpcdl: {text}", flush=True))
+        run.groups_ended_mark.unlink(missing_ok=True)
 
-    # -- processes -------------------------------------------------------------------------
-    def _child_environ(self, extra: dict[str, str]) -> dict[str, str]:
-        """Every child ends with this supervisor (hpcdl.launch.follow_supervisor)."""
-        return worker_environ(os.environ, {**extra, SUPERVISOR_PID_ENV: str(os.getpid())})
-
-    def _start_group(self, gp: GroupProcs) -> None:
-        ranks = self.job.run.ranks_per_group
-        envs = local_group(gp.group, ranks)
-        if self.launcher is not None:
-            self._start_mpi_group(gp, envs[0].to_mpi_env())
-            return
-        gp.rendezvous, port = start_rendezvous(envs)
-        gp.procs = []
-        for env in envs:
-            log = _open_log(self.run.rank_log(gp.group, env.rank), self.access)
-            child_env = self._child_environ(env.to_horovod_env("127.0.0.1", port, iface="lo"))
-            gp.procs.append(subprocess.Popen(
-                worker_command(self.python, self.run), env=child_env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            ))
-            log.close()
-        gp.state = State.RUNNING
-
-    def _start_mpi_group(self, gp: GroupProcs, env: dict[str, str]) -> None:
-        """The group's ranks under one mpirun, in a session of its own: a Ctrl-C reaches the
-        supervisor, which asks mpirun to pass SIGUSR1 on (mpirun's own SIGINT handling kills
-        the ranks before they can checkpoint). Each rank writes its own log (hpcdl.worker)."""
-        log = _open_log(self.run.mpi_launcher_log(gp.group), self.access)
-        gp.procs = [subprocess.Popen(
-            mpi_group_command(self.launcher, self.python, self.run, self.job.run.ranks_per_group),
-            env=self._child_environ(env), stdout=log, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )]
-        log.close()
-        gp.stop_signal = signal.SIGUSR1
-        gp.state = State.RUNNING
-
-    def _stop_group(self, gp: GroupProcs) -> None:
-        _terminate(gp.procs, stop_signal=gp.stop_signal)
-        if gp.rendezvous is not None:
-            gp.rendezvous.stop()
-            gp.rendezvous = None
-
-    def _start_applier(self, shard: int) -> None:
-        log = _open_log(self.run.shard_applier_log(shard), self.access)
-        self.appliers[shard] = subprocess.Popen(
-            applier_command(self.python, self.run, shard), env=self._child_environ({}), stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        log.close()
-
-    def _running_appliers(self) -> list[subprocess.Popen]:
-        return [a for a in self.appliers if a is not None and a.poll() is None]
-
-    # -- the loop --------------------------------------------------------------------------
     def poll(self) -> bool:
-        """One round of watching; returns True while anything still has to run."""
-        now = time.monotonic()
-        for gp in self.groups.values():
-            if gp.state == State.PENDING and now >= gp.next_start:
-                self._start_group(gp)
-            elif gp.state == State.RUNNING:
-                codes = [p.poll() for p in gp.procs]
-                gp.exit_codes = codes
-                if all(c == 0 for c in codes):
-                    self._stop_group(gp)
-                    requeue = self.run.requeue_mark(gp.group)
-                    # A signal to the ranks themselves (Ctrl-C, a SIGTERM) stops them after a
-                    # checkpoint, with exit 0 and the requeue mark: stopped, not finished.
-                    gp.state = State.CANCELLED if requeue.exists() else State.FINISHED
-                    requeue.unlink(missing_ok=True)
-                elif any(c not in (None, 0) for c in codes):
-                    self._stop_group(gp)
-                    if gp.restarts >= self.job.run.max_restarts:
-                        gp.state = State.FAILED
-                    else:
-                        gp.restarts += 1
-                        gp.state = State.PENDING
-                        gp.next_start = now + BACKOFF_S[min(gp.restarts - 1, len(BACKOFF_S) - 1)]
-        active = any(gp.state in (State.PENDING, State.RUNNING) for gp in self.groups.values())
-        for shard, applier in enumerate(self.appliers):
-            if applier is not None and applier.poll() not in (None, 0) and active:
-                if self.applier_restarts[shard] < self.job.run.max_restarts:  # as under SLURM
-                    self.applier_restarts[shard] += 1
-                    self._start_applier(shard)
+        """One round of watching; returns True while any group still has to run."""
+        active = [life.poll() for life in self.groups.values()]
+        if self.appliers is not None:
+            self.appliers.poll(groups_active=any(active))
         self.publish()
-        return active
+        return any(active)
 
     def publish(self) -> None:
         """Write scheduler/local.json; a full disk or quota is recorded, and watching goes on
         (the previous version stays in place)."""
+        applier = None
+        if self.appliers is not None:
+            record = self.appliers.record()
+            applier = {**record, "pid": record["shards"][0]["pid"], "running": self.appliers.running}
         attempt(self.storage, "supervisor state", write_json_atomic, self.run.local_state_file, {
-            "supervisor_pid": os.getpid(),
-            "updated": time.time(),
-            "groups": {
-                str(g): {"state": gp.state, "restarts": gp.restarts,
-                         "pids": [p.pid for p in gp.procs if p.poll() is None],
-                         "exit_codes": gp.exit_codes}
-                for g, gp in self.groups.items()
-            },
-            "applier": None if not self.appliers else {
-                "pid": self.appliers[0].pid, "running": bool(self._running_appliers()),
-                "restarts": sum(self.applier_restarts),
-                "shards": [{"shard": k, "pid": a.pid, "running": a.poll() is None,
-                            "restarts": self.applier_restarts[k]} for k, a in enumerate(self.appliers)],
-            },
+            "supervisor_pid": os.getpid(), "updated": time.time(),
+            "groups": {str(g): life.record() for g, life in self.groups.items()}, "applier": applier,
         })
 
     def run_until_done(self, on_tick: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
         """Run everything to the end; True if every group finished."""
-        if self.job.exchange.active(self.job.run.groups):
-            shards = self.job.exchange.shard_count
-            self.appliers, self.applier_restarts = [None] * shards, [0] * shards
-            for shard in range(shards):
-                self._start_applier(shard)
+        if self.appliers is not None:
+            self.appliers.begin()
         try:
             while self.poll() and not self.stopping:
                 if on_tick:
                     on_tick()
                 time.sleep(interval)
-            if not self.stopping and all(gp.state == State.FINISHED for gp in self.groups.values()):
+            if not self.stopping:
                 self._drain_applier(interval)
         finally:
-            self.shutdown()
+            self.shutdown(interval)
         if on_tick:
             on_tick()
-        return all(gp.state == State.FINISHED for gp in self.groups.values())
+        return all(life.state == State.FINISHED for life in self.groups.values())
 
     def _drain_applier(self, interval: float) -> None:
-        """Every group finished: the applier ends by itself once nothing is left to apply (see
-        hpcdl.worker.serve_applier), so let it, rather than stop it with updates pending (it may
-        be waiting out a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
+        """Every group has ended: the applier applies what is pending and ends by itself (see
+        hpcdl.worker.serve_applier), rather than stop with updates pending (it may be waiting out
+        a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
+        if self.appliers is None:
+            return
+        try:
+            write_bytes_atomic(self.run.groups_ended_mark, b"")
+        except OSError:
+            pass  # a full disk: groups that finished still say so in their state
         deadline = time.monotonic() + APPLIER_DRAIN_S
-        while self._running_appliers() and not self.stopping and time.monotonic() < deadline:
+        while self.appliers.poll(groups_active=False) and not self.stopping and time.monotonic() < deadline:
             self.publish()
             time.sleep(interval)
 
-    def shutdown(self) -> None:
-        stopping = [gp for gp in self.groups.values() if gp.state in (State.RUNNING, State.PENDING)]
-        # All groups at once: each checkpoints at its stop (hpcdl.worker), in parallel.
-        _terminate([p for gp in stopping for p in gp.procs], grace=STOP_GRACE_S,
-                   stop_signal={p.pid: gp.stop_signal for gp in stopping for p in gp.procs})
-        for gp in stopping:
-            self._stop_group(gp)
-            gp.state = State.CANCELLED
-        # The appliers commit the update in progress, then exit on SIGTERM.
-        _terminate(self._running_appliers(), grace=30.0)
+    def shutdown(self, interval: float = 0.5) -> None:
+        """Stop what still runs: every group at once (each checkpoints at its stop, in parallel;
+        hpcdl.lifecycle bounds the wait), then the appliers, which commit first."""
+        for life in self.groups.values():
+            life.request_stop()
+        while any([life.poll() for life in self.groups.values()]):
+            time.sleep(min(interval, 0.2))
+        if self.appliers is not None:
+            self.appliers.request_stop()
+            while self.appliers.poll(groups_active=False):
+                time.sleep(min(interval, 0.2))
         self.publish()
         self.storage.close()
-
-
-def _terminate(procs: list[subprocess.Popen], grace: float = 5.0,
-               stop_signal: int | dict[int, int] = signal.SIGTERM) -> None:
-    """Ask each process to stop (`stop_signal`, or one per pid), kill it after `grace` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(stop_signal.get(p.pid, signal.SIGTERM) if isinstance(stop_signal, dict) else stop_signal)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            try:  # mpirun leads a session of its own: its ranks go with it
-                if os.getpgid(p.pid) == p.pid:
-                    os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.kill()
-            p.wait()
 
 
 def machine_facts() -> dict[str, Any]:
@@ -338,44 +286,43 @@ class LocalScheduler(Scheduler):
         check_capacity(job, request.cluster)
         check_controller(request)
         check_local_mpi(job, request.cluster)
-        commands = []
-        if job.exchange.active(job.run.groups):
-            commands += [applier_command(request.python, run, k) for k in range(job.exchange.shard_count)]
-        for g in range(job.run.groups):
-            if job.run.controller == "mpi":
-                launcher = MpiLauncher(request.cluster.get("mpi_launcher") or "mpirun",
-                                       request.cluster.get("open_mpi", True))
-                env = local_group(g, 1)[0].to_mpi_env()
-                commands.append(["env", *(f"{k}={v}" for k, v in sorted(env.items())),
-                                 *mpi_group_command(launcher, request.python, run, job.run.ranks_per_group)])
-                continue
-            for env in local_group(g, job.run.ranks_per_group):
-                hvd = env.to_horovod_env("127.0.0.1", 0, iface="lo")
-                commands.append(["env", *(f"{k}={v}" for k, v in sorted(hvd.items()) if k != "HOROVOD_GLOO_RENDEZVOUS_PORT"),
-                                 *worker_command(request.python, run)])
-        return DryRun(backend=self.name, files={}, commands=commands, request=request)
+        plan = local_plan(job, run, request.python, request.cluster)
+        return DryRun(backend=self.name, files={}, commands=[c for _, c in plan], request=request,
+                      roles=[role for role, _ in plan])
 
-    def schedule(self, dryrun: DryRun, foreground: bool = True,
-                 on_tick: Callable[[Supervisor], None] | None = None) -> dict[str, Any]:
-        """Foreground: supervise here until the run ends. Detached: a supervisor process."""
+    def schedule(self, dryrun: DryRun, *, detach: bool = False,
+                 watch: Callable[[RunDir, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Start a supervisor process that runs exactly the dry run's processes (recorded in the
+        run directory), detached or watched here until the run ends."""
         run = dryrun.request.run
-        if foreground:
-            supervisor = Supervisor(run, dryrun.request.python)
-            previous = signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
-            try:
-                ok = supervisor.run_until_done(on_tick=(lambda: on_tick(supervisor)) if on_tick else None)
-            except KeyboardInterrupt:
-                ok = False
-            finally:
-                signal.signal(signal.SIGTERM, previous)
-            return {"supervisor_pid": os.getpid(), "ok": ok}
+        write_json_atomic(run.local_plan_file, [{"role": r, "command": c} for r, c in zip(dryrun.roles, dryrun.commands)])
         log = _open_log(run.supervisor_log, run.access(dryrun.request.job))
-        proc = subprocess.Popen(
-            [dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        log.close()
-        return {"supervisor_pid": proc.pid}
+        try:
+            # Not detached, the supervisor shares this terminal's process group: a Ctrl-C reaches
+            # it and every rank, and each stops at a checkpoint.
+            proc = subprocess.Popen([dryrun.request.python, "-m", "hpcdl.schedulers.local", str(run.root)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=detach)
+        finally:
+            log.close()
+        if detach:
+            return {"supervisor_pid": proc.pid}
+        previous = signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
+        try:
+            while proc.poll() is None:
+                try:
+                    if watch is not None and run.local_state_file.is_file():
+                        watch(run, self.describe(run))
+                    time.sleep(0.5)
+                except KeyboardInterrupt:
+                    pass  # the supervisor had the SIGINT too: it stops the run; wait for it
+                except RunError:
+                    time.sleep(0.5)  # its record, torn or not yet written: the next round will do
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        if watch is not None and run.local_state_file.is_file():
+            watch(run, self.describe(run))
+        return {"supervisor_pid": proc.pid, "ok": proc.returncode == 0}
 
     def describe(self, run: RunDir) -> dict[str, Any]:
         path = run.local_state_file
@@ -451,10 +398,14 @@ def _pid_runs(pid: int | None, run_id: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m hpcdl.schedulers.local RUN_DIR`: the detached supervisor."""
+    """`python -m hpcdl.schedulers.local RUN_DIR`: the supervisor of a run, started by `schedule`;
+    SIGTERM (`hpcdl cancel`) or SIGINT (Ctrl-C) stops the run at a checkpoint."""
     args = argv if argv is not None else sys.argv[1:]
-    supervisor = Supervisor(RunDir(Path(args[0])))
-    signal.signal(signal.SIGTERM, lambda *_: setattr(supervisor, "stopping", True))
+    run = RunDir(Path(args[0]))
+    plan = [(p["role"], p["command"]) for p in read_json_file(run.local_plan_file)]
+    supervisor = Supervisor(run, plan=plan)
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, lambda *_: setattr(supervisor, "stopping", True))
     return 0 if supervisor.run_until_done() else 1
 
 

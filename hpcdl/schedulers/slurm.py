@@ -13,17 +13,22 @@ from __future__ import annotations
 
 import re
 import shlex
+import signal
 import subprocess
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpcdl.config import Job, JobError
 from hpcdl.engine.tuning import plan_threads
-from hpcdl.resources import shipped_dir
-from hpcdl.runs import (
-    PLANNED_REQUEUES_NAME, REQUEUE_MARK_NAME, STOP_MARK_NAME, RunDir, RunError, State, read_json_file,
-    write_bytes_atomic, write_json_atomic,
+from hpcdl.launch import expand_nodelist, slurm_group_plan, start_rendezvous
+from hpcdl.lifecycle import (
+    EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened, read_count, restarts_after_failures,
 )
+from hpcdl.resources import shipped_dir
+from hpcdl.runs import RunDir, RunError, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers.base import (
     DryRun, Scheduler, SchedulerError, SubmitRequest, check_controller, controller_facts,
 )
@@ -139,25 +144,6 @@ def _setup_lines(job: Job) -> str:
     return "\n".join(job.slurm.setup)
 
 
-# run.controller = "gloo": the group's rendezvous on the batch host, started before srun and
-# stopped after it. "mpi": srun's MPI plugin wires the ranks up; nothing runs beside them.
-GLOO_START = """\
-# The group's Gloo rendezvous runs on the batch host: one HTTP server per group, so groups
-# never share a collective.
-port_file="$group_dir/rendezvous.$SLURM_JOB_ID"
-rm -f "$port_file"
-{python} -m hpcdl.worker "$run_dir" --rendezvous --port-file "$port_file" &
-rendezvous=$!
-for _ in $(seq 600); do [ -s "$port_file" ] && break; sleep 0.1; done
-[ -s "$port_file" ] || {{ echo "hpcdl: the rendezvous did not start" >&2; kill "$rendezvous"; exit 1; }}
-export HPCDL_RENDEZVOUS="{rendezvous_host}:$(cat "$port_file")"
-export HPCDL_GLOO_IFACE={gloo_iface}"""
-GLOO_STOP = 'kill "$rendezvous" 2>/dev/null\nrm -f "$port_file"'
-MPI_START = """\
-# run.controller = "mpi": the group's ranks are one MPI job, wired up by srun's {plugin} plugin
-# (slurm.mpi); Horovod initialises over MPI, so no rendezvous runs beside them."""
-
-
 def check_srun_mpi(job: Job, cluster: dict[str, Any]) -> None:
     """slurm.mpi must be a plugin this cluster's srun has (`srun --mpi=list`, read beforehand when
     SLURM is reachable), and not "none", which starts the ranks as separate MPI worlds of one."""
@@ -185,58 +171,61 @@ def parse_mpi_list(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def srun_command(job: Job, python: str, run: RunDir) -> list[str]:
+    """How a group's batch step starts its ranks: one srun over the element's nodes; with
+    run.controller = "mpi" srun's MPI plugin wires them up (slurm.mpi), else a Gloo rendezvous
+    on the batch host does."""
+    s = job.slurm
+    options = ["--kill-on-bad-exit=1"]
+    if job.run.controller == "mpi":
+        options.append(f"--mpi={s.mpi}")
+    options.append(f"--ntasks-per-node={job.run.ranks_per_node}")
+    if s.cpus_per_task:
+        options.append(f"--cpus-per-task={s.cpus_per_task}")
+    return ["srun", *options, python, "-m", "hpcdl.worker", str(run.root), "--slurm"]
+
+
+def ranks_environment(job: Job) -> dict[str, str]:
+    """What the ranks' OpenMP runtime reads at load, before any worker code runs; the worker's
+    own plan (from the same rule) then sets TensorFlow's pools."""
+    threads = job.slurm.cpus_per_task or 0
+    if not threads:
+        return {}
+    env = plan_threads(job.tuning, threads, "slurm.cpus_per_task").environment()
+    return {k: env[k] for k in ("OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY")}
+
+
+def batch_step_command(python: str, run: RunDir, role: str) -> list[str]:
+    """The launch line of a batch script: this module's `main`, as the job's batch step."""
+    return [python, "-u", "-m", "hpcdl.schedulers.slurm", role, str(run.root)]
+
+
+def _render(request: SubmitRequest, template_name: str, role: str, directives: list[str]) -> str:
+    job = request.job
+    template = load_template(job, template_name)
+    directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
+    if job.slurm.signal_seconds:
+        directives.append(f"#SBATCH --signal=B:{job.slurm.signal}@{job.slurm.signal_seconds}")
+    run = RunDir(request.run.root.resolve())
+    text = fill(template, {
+        "sbatch_directives": "\n".join(directives),
+        "setup": _setup_lines(job),
+        "launch": shlex.join(batch_step_command(request.python, run, role)),
+        # for a site's own template: both shell-quoted
+        "run_dir": shlex.quote(str(run.root)),
+        "python": shlex.quote(request.python),
+    }, template_name)
+    if "launch" not in _PLACEHOLDER.findall(template):
+        raise JobError(f"slurm template {job.slurm.template_dir}/{template_name} has no {{{{ launch }}}}: "
+                       "the run's life is started there (copy the shipped template again)")
+    return text
+
+
 def render_group_script(request: SubmitRequest) -> str:
     job = request.job
     s = job.slurm
-    srun_cpus = f"--cpus-per-task={s.cpus_per_task}" if s.cpus_per_task else ""
-    srun_options = ["--kill-on-bad-exit=1"]
-    if job.run.controller == "mpi":
-        srun_options.append(f"--mpi={s.mpi}")
-    srun_options += [f"--ntasks-per-node={job.run.ranks_per_node}", *([srun_cpus] if srun_cpus else [])]
-    rendezvous_host = shlex.quote(s.rendezvous_host) if s.rendezvous_host else "$(hostname)"
-    if job.run.controller == "mpi":
-        controller_start, controller_stop = MPI_START.format(plugin=s.mpi), ""
-    else:
-        controller_start = GLOO_START.format(python=shlex.quote(request.python), rendezvous_host=rendezvous_host,
-                                             gloo_iface=shlex.quote(s.gloo_iface))
-        controller_stop = GLOO_STOP
-    threads = s.cpus_per_task or 0
-    tuning = []
-    if threads:
-        # OpenMP runtimes read these at load, before any worker runs; the worker's own plan
-        # (from the same rule) then sets TensorFlow's pools.
-        env = plan_threads(job.tuning, threads, "slurm.cpus_per_task").environment()
-        tuning = [f"export {k}={shlex.quote(env[k])}" for k in ("OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY")]
-    directives = sbatch_directives(job, job_name(job), s.partition, job.run.nodes_per_group,
-                                   job.run.ranks_per_node, s.cpus_per_task)
-    directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
-    if s.signal_seconds:
-        directives.append(f"#SBATCH --signal=B:{s.signal}@{s.signal_seconds}")
-    template = load_template(job, GROUP_SCRIPT)
-    if job.run.controller == "mpi" and "srun_options" not in _PLACEHOLDER.findall(template):
-        raise JobError(f"slurm template {job.slurm.template_dir}/{GROUP_SCRIPT} has no {{{{ srun_options }}}}: "
-                       'run.controller = "mpi" passes --mpi to srun there (copy the shipped group.sbatch again)')
-    return fill(template, {
-        "sbatch_directives": "\n".join(directives),
-        "setup": _setup_lines(job),
-        "tuning_env": "\n".join(tuning),
-        "run_dir": shlex.quote(str(request.run.root.resolve())),
-        "python": shlex.quote(request.python),
-        "ranks_per_node": str(job.run.ranks_per_node),
-        "srun_cpus": srun_cpus,
-        "srun_options": " ".join(srun_options),
-        "controller_start": controller_start,
-        "controller_stop": controller_stop,
-        "rendezvous_host": rendezvous_host,
-        "gloo_iface": shlex.quote(s.gloo_iface),
-        "signal": s.signal,
-        "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
-        "max_restarts": str(job.run.max_restarts),
-        "groups_dir": shlex.quote(str(RunDir(request.run.root.resolve()).groups_dir)),
-        "stop_mark_name": STOP_MARK_NAME,
-        "requeue_mark_name": REQUEUE_MARK_NAME,
-        "planned_requeues_name": PLANNED_REQUEUES_NAME,
-    }, GROUP_SCRIPT)
+    return _render(request, GROUP_SCRIPT, "group", sbatch_directives(
+        job, job_name(job), s.partition, job.run.nodes_per_group, job.run.ranks_per_node, s.cpus_per_task))
 
 
 def render_applier_script(request: SubmitRequest) -> str:
@@ -244,20 +233,8 @@ def render_applier_script(request: SubmitRequest) -> str:
     s = job.slurm
     # one node, a core per shard's applier (each is one single-threaded numpy process)
     shards = job.exchange.shard_count
-    directives = sbatch_directives(job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, shards, 1)
-    directives += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
-    if job.slurm.signal_seconds:
-        directives.append(f"#SBATCH --signal=B:{job.slurm.signal}@{job.slurm.signal_seconds}")
-    return fill(load_template(job, APPLIER_SCRIPT), {
-        "sbatch_directives": "\n".join(directives),
-        "setup": _setup_lines(job),
-        "run_dir": shlex.quote(str(request.run.root.resolve())),
-        "python": shlex.quote(request.python),
-        "signal": s.signal,
-        "cancel_mark": shlex.quote(str(RunDir(request.run.root.resolve()).cancel_mark)),
-        "max_restarts": str(job.run.max_restarts),
-        "shards": str(shards),
-    }, APPLIER_SCRIPT)
+    return _render(request, APPLIER_SCRIPT, "applier", sbatch_directives(
+        job, job_name(job) + "-applier", s.applier_partition or s.partition, 1, shards, 1))
 
 
 def sbatch_commands(request: SubmitRequest) -> dict[str, list[str]]:
@@ -377,13 +354,14 @@ class SlurmScheduler(Scheduler):
         files = {rel(GROUP_SCRIPT): render_group_script(request)}
         if job.exchange.active(job.run.groups):
             files[rel(APPLIER_SCRIPT)] = render_applier_script(request)
-        return DryRun(self.name, files, list(sbatch_commands(request).values()), request)
+        commands = sbatch_commands(request)
+        return DryRun(self.name, files, list(commands.values()), request, roles=list(commands))
 
-    def schedule(self, dryrun: DryRun, **_: Any) -> dict[str, Any]:
+    def schedule(self, dryrun: DryRun, *, detach: bool = False, watch: Any = None) -> dict[str, Any]:
+        """sbatch, and return: the run lives in SLURM's queue (`detach` and `watch` are moot)."""
         submitted: dict[str, str] = {}
         try:
-            for cmd in dryrun.commands:  # exactly what the dry run showed: the applier first
-                role = "applier" if cmd[-1].endswith(APPLIER_SCRIPT) else "array"
+            for role, cmd in zip(dryrun.roles, dryrun.commands):  # exactly what the dry run showed
                 proc = _run(cmd)
                 if proc.returncode != 0:
                     raise SchedulerError(f"sbatch for the {role} failed: {proc.stderr.strip() or proc.stdout.strip()}")
@@ -471,3 +449,126 @@ class SlurmScheduler(Scheduler):
             run.cancel_mark.unlink(missing_ok=True)
             raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")
         return f"cancelled SLURM jobs {', '.join(targets)}"
+
+
+# -- the batch steps: a group's and the appliers' life under SLURM --------------------------------
+def _environ(job: Job) -> dict[str, str]:
+    import os
+
+    return {**os.environ, **ranks_environment(job), "PYTHONUNBUFFERED": "1"}
+
+
+@dataclass(frozen=True)
+class SrunLaunch:
+    """Starts a group's ranks as one srun from its batch step; with Gloo, the group's rendezvous
+    runs in the batch step (one per group, so groups never share a collective). A stop is asked
+    through the group's stop mark alone: the ranks look for it at every step, and a rank still
+    loading TensorFlow cannot be killed by it."""
+
+    run: RunDir
+    job: Job
+    group: int
+    python: str
+
+    def __call__(self) -> Popened:
+        import os
+        import socket
+
+        env = _environ(self.job)
+        stop_rendezvous = None
+        if self.job.run.controller != "mpi":
+            s = self.job.slurm
+            plan = slurm_group_plan(expand_nodelist(os.environ["SLURM_JOB_NODELIST"]), self.job.run.ranks_per_node,
+                                    self.group)
+            server, port = start_rendezvous(plan)
+            stop_rendezvous = server.stop
+            env.update(HPCDL_RENDEZVOUS=f"{s.rendezvous_host or socket.gethostname()}:{port}",
+                       HPCDL_GLOO_IFACE=s.gloo_iface)
+        command = srun_command(self.job, self.python, self.run)
+        print(f"hpcdl: group {self.group}: {shlex.join(command)}", flush=True)
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
+        return Popened([proc], stop_signal=None, on_close=stop_rendezvous)
+
+
+def _requeue(job_id: str, what: str) -> Callable[[str], None]:
+    def requeue(why: str) -> None:
+        # SLURM's own log line for it, "*** JOB ... CANCELLED ... DUE TO JOB REQUEUE ***", follows.
+        print(f"hpcdl: {what} {why}; requeueing {job_id} (SLURM logs that as CANCELLED DUE TO JOB REQUEUE; "
+              "the job runs again)", flush=True)
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"hpcdl: error: scontrol requeue {job_id}: {done.stderr.strip()}", file=sys.stderr, flush=True)
+
+    return requeue
+
+
+def _stop_on_signals(job: Job, request_stop: Callable[..., None]) -> None:
+    """The time limit's warning (slurm.signal) stops to go on; a plain SIGTERM or SIGINT (scancel,
+    a preemption that requeues by itself) stops for good."""
+    warning = getattr(signal, f"SIG{job.slurm.signal}")
+    for other in (signal.SIGTERM, signal.SIGINT):
+        if other != warning:
+            signal.signal(other, lambda *_: request_stop())
+    signal.signal(warning, lambda *_: request_stop(requeue=True))
+
+
+def _log(text: str) -> None:
+    print(f"hpcdl: {text}", file=sys.stderr, flush=True)
+
+
+def run_group_step(run: RunDir, environ: dict[str, str]) -> int:
+    """A group array element's batch step: its group's life, requeued (exactly this element) to
+    go on after the warning signal or a crash; SLURM's restart count says how often it ran."""
+    job = run.load_job()
+    task = environ.get("SLURM_ARRAY_TASK_ID")
+    if task is None or not task.isdigit():
+        _log("error: the group script runs as an element of a job array (no SLURM_ARRAY_TASK_ID)")
+        return EXIT_FAILED
+    group = int(task)
+    count = int(environ.get("SLURM_RESTART_COUNT") or 0)
+    element = f"{environ.get('SLURM_ARRAY_JOB_ID') or environ.get('SLURM_JOB_ID')}_{group}"
+    life = GroupLife(run, group, job.run.max_restarts, SrunLaunch(run, job, group, sys.executable),
+                     requeue=_requeue(element, f"group {group}"), restart_count=count,
+                     restarts=restarts_after_failures(count, read_count(run.planned_requeues_file(group))),
+                     stop_grace_s=None, log=_log)
+    _stop_on_signals(job, life.request_stop)
+    while life.poll():
+        time.sleep(0.5)
+    return life.exit_code
+
+
+def run_applier_step(run: RunDir, environ: dict[str, str]) -> int:
+    """The applier job's batch step: one applier per shard, each ending once SLURM holds no
+    element of the group array and its backlog is applied."""
+    job = run.load_job()
+
+    def start(shard: int) -> Popened:
+        command = [sys.executable, "-m", "hpcdl.worker", str(run.root), "--applier", "--shard", str(shard),
+                   "--slurm-array"]
+        # SIGUSR1: commit, then exit with EXIT_REQUEUE
+        return Popened([subprocess.Popen(command, env=_environ(job), stdin=subprocess.DEVNULL)],
+                       stop_signal=signal.SIGUSR1)
+
+    life = ApplierLife(run, job.exchange.shard_count, job.run.max_restarts, start,
+                       requeue=_requeue(environ.get("SLURM_JOB_ID", ""), "applier state"), log=_log)
+    _stop_on_signals(job, life.request_stop)
+    life.begin()
+    while life.poll():
+        time.sleep(0.5)
+    return life.finish()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hpcdl.schedulers.slurm group|applier RUN_DIR`: the launch line of a batch script."""
+    import os
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] not in ("group", "applier"):
+        _log("usage: python -m hpcdl.schedulers.slurm group|applier RUN_DIR")
+        return EXIT_USER_ERROR
+    step = run_group_step if args[0] == "group" else run_applier_step
+    return step(RunDir(Path(args[1])), dict(os.environ))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,8 +11,8 @@ from hpcdl.config import JobError, load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (
-    SlurmScheduler, map_state, parse_mpi_list, parse_sacct, parse_scontrol_config, parse_squeue, render_group_script,
-    sbatch_commands,
+    SlurmScheduler, map_state, parse_mpi_list, parse_sacct, parse_scontrol_config, parse_squeue, ranks_environment,
+    render_group_script, sbatch_commands, srun_command,
 )
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -63,9 +63,9 @@ def test_weird_run_directory_is_quoted(tmp_path):
     weird = tmp_path / "my runs $(touch pwned) 'quoted' \"double\"" / "hep-1"
     script = render_group_script(request(run_dir=str(weird)))
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
-    line = next(l for l in script.splitlines() if l.startswith("run_dir="))
-    out = subprocess.run(["bash", "-c", f"{line}; printf %s \"$run_dir\""], capture_output=True, text=True,
-                         cwd=tmp_path)
+    line = next(l for l in script.splitlines() if l.startswith("exec "))
+    out = subprocess.run(["bash", "-c", "last() { printf %s \"${@: -1}\"; }; " + line.replace("exec ", "last ", 1)],
+                         capture_output=True, text=True, cwd=tmp_path)
     assert out.stdout == str(weird) and not (tmp_path / "pwned").exists()
     # paths that sbatch sees travel as arguments, never through a shell or a directive
     commands = sbatch_commands(request(run_dir=str(weird)))
@@ -73,9 +73,9 @@ def test_weird_run_directory_is_quoted(tmp_path):
 
 
 def test_template_dir_override(tmp_path):
-    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\necho site {{ run_dir }}\n")
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\necho site {{ run_dir }}\nexec {{ launch }}\n")
     script = render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
-    assert script.endswith("echo site /scratch/runs/hep-1\n")
+    assert "\necho site /scratch/runs/hep-1\nexec " in script
     (tmp_path / "group.sbatch").write_text("{{ nonsense }}\n")
     with pytest.raises(JobError, match="unknown placeholder"):
         render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
@@ -248,11 +248,6 @@ def test_signal_seconds_must_be_less_than_the_time_limit(time_limit, signal_seco
         SlurmScheduler().submit_dryrun(req)
 
 
-def test_max_restarts_reaches_the_group_script():
-    script = SlurmScheduler().submit_dryrun(request(["run.max_restarts=5"])).files["scheduler/group.sbatch"]
-    assert 'if [ "$restarts" -gt 5 ]; then' in script and "run.max_restarts = 5" in script
-    assert 'planned_file="$group_dir/planned-requeues"' in script  # our own requeues, not bounded
-
 
 # -- run.controller = "mpi" -------------------------------------------------------------------
 # `srun --mpi=list` of Debian's Slurm 22.05.8 (the test cluster's)
@@ -268,13 +263,23 @@ PLUGINS = {"mpi_plugins": ["pmix", "none", "cray_shasta", "pmi2", "pmix_v4"]}
 
 
 def test_mpi_group_script_matches_its_golden_file():
-    dry = SlurmScheduler().submit_dryrun(request(["run.controller=mpi"], cluster={**PLUGINS, "horovod_mpi": True}))
-    script = dry.files["scheduler/group.sbatch"]
-    assert script == (GOLDEN / "group-mpi.sbatch").read_text()
-    assert "srun --kill-on-bad-exit=1 --mpi=pmix --ntasks-per-node=2 --cpus-per-task=34" in script
-    assert "--rendezvous" not in script and "HPCDL_RENDEZVOUS" not in script
-    # the applier's job does not depend on the controller
+    """The script asks only for resources: the controller changes how the batch step starts the
+    ranks (srun's MPI plugin, no rendezvous), not the script."""
+    req = request(["run.controller=mpi"], cluster={**PLUGINS, "horovod_mpi": True})
+    dry = SlurmScheduler().submit_dryrun(req)
+    assert dry.files["scheduler/group.sbatch"] == (GOLDEN / "group.sbatch").read_text()
+    assert srun_command(req.job, "/opt/hpcdl/bin/python", req.run) == [
+        "srun", "--kill-on-bad-exit=1", "--mpi=pmix", "--ntasks-per-node=2", "--cpus-per-task=34",
+        "/opt/hpcdl/bin/python", "-m", "hpcdl.worker", "/scratch/runs/hep-1", "--slurm"]
+    gloo = request()
+    assert "--mpi=pmix" not in srun_command(gloo.job, "python", gloo.run)
     assert dry.files["scheduler/applier.sbatch"] == (GOLDEN / "applier.sbatch").read_text()
+
+
+def test_the_ranks_openmp_settings_come_from_the_thread_plan():
+    env = ranks_environment(request().job)
+    assert env["OMP_NUM_THREADS"].isdigit() and set(env) == {"OMP_NUM_THREADS", "KMP_BLOCKTIME", "KMP_AFFINITY"}
+    assert ranks_environment(request(["slurm.cpus_per_task=0"]).job) == {}
 
 
 def test_rendered_scripts_never_let_open_mpi_run_as_root():
@@ -304,8 +309,10 @@ def test_slurm_mpi_is_checked_only_where_srun_answered():
     SlurmScheduler().submit_dryrun(request(["run.controller=mpi", "slurm.mpi=pmix_v5"], cluster={}))
 
 
-def test_a_site_template_without_srun_options_cannot_run_mpi(tmp_path):
-    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nsrun {{ python }} -m hpcdl.worker\n")
-    render_group_script(request([f'slurm.template_dir="{tmp_path}"']))  # gloo: as before
-    with pytest.raises(JobError, match=r"has no \{\{ srun_options \}\}"):
-        render_group_script(request([f'slurm.template_dir="{tmp_path}"', "run.controller=mpi"]))
+def test_a_site_template_must_launch_the_group_s_life(tmp_path):
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nsrun python -m hpcdl.worker\n")
+    with pytest.raises(JobError, match=r"has no \{\{ launch \}\}"):
+        render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nmodule load x\nexec {{ launch }}\n")
+    assert render_group_script(request([f'slurm.template_dir="{tmp_path}"'])).endswith(
+        "exec /opt/hpcdl/bin/python -u -m hpcdl.schedulers.slurm group /scratch/runs/hep-1\n")

@@ -105,6 +105,59 @@ def test_scancel_one_element_the_rest_goes_on(slurm_cluster, hep_files, tmp_path
     assert "nothing to cancel" in said and run_dir.name not in said
 
 
+def element_log(run_dir: Path, group: int) -> str:
+    return "\n".join(p.read_text() for p in (run_dir / "groups" / str(group)).glob("slurm-*.out"))
+
+
+def test_a_warning_signal_to_one_element_requeues_that_element_only(slurm_cluster, hep_files, tmp_path):
+    """The array's first element and its second: requeueing `$SLURM_JOB_ID` of element 0 would
+    requeue the whole array. Each element requeues exactly itself; the other trains on."""
+    sub = submit(hep_files, tmp_path, 1_000_000, "exchange.enabled=off", nodes=2, group_size=1)
+    run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
+    for signalled, other in ((1, 0), (0, 1)):
+        before = wait_status(run_dir, tmp_path, lambda s: all(g["step"] > 0 and g["state"] == "running"
+                                                              for g in s["groups"]), what="both groups training")
+        restarts = before["groups"][signalled]["restarts"]
+        assert slurm("scancel", "--batch", "--signal=USR1", f"{array}_{signalled}").returncode == 0
+        again = wait_status(run_dir, tmp_path, lambda s: s["groups"][signalled]["restarts"] > restarts
+                            and s["groups"][signalled]["state"] == "running", timeout=300,
+                            what=f"group {signalled} requeued and training again")
+        assert f"checkpointed; requeueing {array}_{signalled}" in element_log(run_dir, signalled)
+        # the other group never stopped: no restart, no stop, its steps went on
+        assert again["groups"][other]["restarts"] == before["groups"][other]["restarts"]
+        assert again["groups"][other]["state"] == "running"
+        assert again["groups"][other]["step"] > before["groups"][other]["step"]
+        if signalled == 1:  # group 0 has not been signalled yet: it never stopped or started again
+            assert "requeueing" not in element_log(run_dir, other)
+            metrics = [json.loads(l) for l in (run_dir / f"groups/{other}/metrics.jsonl").read_text().splitlines()]
+            assert all(m.get("restart_count", 0) == 0 for m in metrics)
+    hpcdl("cancel", str(run_dir), cwd=tmp_path)
+
+
+def test_a_crashing_element_is_requeued_up_to_max_restarts_then_fails(slurm_cluster, hep_files, tmp_path):
+    """As the local backend restarts a crashed group, SLURM runs a crashed element again while
+    run.max_restarts allows; then it ends failed with the reason in status, and status counts
+    SLURM's restarts. Group 1's rank kills itself a few seconds into every start (the emulator's
+    planned kill, its once-per-run mark taken away); group 0 trains to the end."""
+    sub = submit(hep_files, tmp_path, 300, "exchange.enabled=off", "run.max_restarts=1", "emulate.enabled=true",
+                 "emulate.kill_shard=1", "emulate.kill_after_s=3", nodes=2, group_size=1)
+    run_dir = Path(sub["run_dir"])
+    mark = run_dir / "groups/1/emulated-kill"
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline:
+        mark.unlink(missing_ok=True)  # every start of group 1 crashes
+        shown = status(run_dir, tmp_path)
+        if shown["groups"][1]["state"] == "failed" and shown["groups"][0]["state"] == "finished":
+            break
+        time.sleep(0.5)
+    crashed, finished = shown["groups"][1], shown["groups"][0]
+    assert crashed["state"] == "failed" and finished["state"] == "finished", shown["groups"]
+    assert crashed["restarts"] == 1 and finished["restarts"] == 0
+    assert "run.max_restarts = 1 allows no more" in crashed["reason"], crashed
+    assert "restart 1 of 1" in element_log(run_dir, 1)
+    assert "run.max_restarts = 1 allows no more" in hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+
+
 def test_requeue_resumes_from_the_checkpoint(slurm_cluster, hep_files, tmp_path):
     sub = submit(hep_files, tmp_path, steps=400)
     run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
@@ -185,6 +238,8 @@ def test_a_failed_group_shows_its_log_and_the_reason(slurm_cluster, hep_files, t
     (group,) = done["groups"]
     assert any(Path(p).name.startswith("slurm-") for p in group["logs"]), group
     assert "none.h5" in group["last_error"], group["last_error"]
+    assert "Traceback" not in element_log(run_dir, 0)  # one line, as at submit; and no retry
+    assert group["restarts"] == 0 and "no restart can mend" in group["reason"]
     assert "none.h5" in hpcdl("status", str(run_dir), cwd=tmp_path).stdout
     assert "none.h5" in hpcdl("logs", str(run_dir), "--group", "0", cwd=tmp_path).stdout
 

@@ -1,0 +1,394 @@
+"""The life of a run's processes, written once for every backend.
+
+A group's life: start its ranks; on a stop request (the time limit's warning signal, a cancel,
+Ctrl-C) leave the group's stop mark and let the ranks checkpoint at the next step; when they end,
+decide from their exit codes and the marks what happened: finished, stopped (and, where the
+backend can, requeued to go on), or crashed -- then restarted from the newest checkpoint while
+``run.max_restarts`` allows, or failed with the reason. The appliers' life is the same over their
+shards: a crashed shard is started again from its durable state; a stop request makes each commit
+and exit with ``EXIT_REQUEUE``.
+
+The backends differ only in how they start processes and how they go on after a stop or a crash,
+which they pass in: the local backend restarts a crashed group in place and has no requeue; a SLURM
+element requeues itself (exactly itself: ``<array id>_<task id>``) for both, and SLURM starts it
+again. Both count restarts the same way: every restart after a failure counts against
+``run.max_restarts``; a requeue the group asked for at the warning signal is how a long run goes on
+and does not (``planned_requeues``).
+
+Each life publishes its record (state, restarts, exit codes, the reason of a failure) to the run
+directory (``RunDir.life_file``), so `hpcdl status` shows the same facts on both backends.
+
+Both lives are polled (``poll()`` once a round, by the local supervisor for all of a run's groups,
+by a SLURM batch step for its one), so one process can watch many without threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+
+# Exit codes of the processes a life watches, and of the life itself.
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2  # a rank refused its input (a missing file, a precision the CPU lacks): no retry helps
+EXIT_LOCKED = 3  # another applier holds the shard's lock: this one is not needed
+EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on request after a commit, to be continued
+
+RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between a crash and the restart in place
+STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
+APPLIER_STOP_GRACE_S = 30.0  # an applier commits the update in progress, then exits
+
+
+class Processes(Protocol):
+    """One start of a group's ranks (or of one applier), as a backend launched it."""
+
+    pids: list[int]
+
+    def poll(self) -> list[int | None]:
+        """Each process's exit code, None while it runs."""
+
+    def ask_to_stop(self) -> None:
+        """Ask for a clean stop (a checkpoint or commit first)."""
+
+    def kill(self) -> None:
+        """End every process now."""
+
+    def close(self) -> None:
+        """Release what the start held beside the processes (a rendezvous server)."""
+
+
+@dataclass
+class Popened:
+    """Processes started with subprocess.Popen; `stop_signal` asks them to stop cleanly."""
+
+    procs: list[subprocess.Popen]
+    stop_signal: int | None = signal.SIGTERM  # None: the stop mark alone asks them
+    on_close: Callable[[], None] | None = None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.poll() is None]
+
+    def poll(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def ask_to_stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None and self.stop_signal is not None:
+                try:
+                    p.send_signal(self.stop_signal)
+                except ProcessLookupError:
+                    pass
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:  # a launcher that leads a session of its own (mpirun): its ranks go with it
+                    if os.getpgid(p.pid) == p.pid:
+                        os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+            p.wait()
+
+    def close(self) -> None:
+        if self.on_close is not None:
+            self.on_close()
+            self.on_close = None
+
+
+def restarts_after_failures(restart_count: int, planned_requeues: int) -> int:
+    """SLURM's SLURM_RESTART_COUNT counts every start after the first; those the group asked for
+    itself at the warning signal are not failures."""
+    return max(0, restart_count - planned_requeues)
+
+
+def forget_requeues(run: RunDir, groups: int) -> None:
+    """A new submission of the run (`hpcdl resume`) starts SLURM's restart count again, so the
+    count of the requeues the groups asked for starts again too; no stale mark stops a group."""
+    for g in range(groups):
+        for mark in (run.stop_mark(g), run.requeue_mark(g), run.planned_requeues_file(g)):
+            mark.unlink(missing_ok=True)
+    run.cancel_mark.unlink(missing_ok=True)
+
+
+def _first_line(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip().splitlines()[0][:500]
+    except (OSError, IndexError):
+        return ""
+
+
+def read_count(path: Path) -> int:
+    try:
+        return int(path.read_text().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+@dataclass
+class GroupLife:
+    """One synchronous group, from its first start to its end.
+
+    ``start()`` launches the group's ranks; ``requeue`` (SLURM) puts the group back in the queue
+    after a stop or a crash, and the process that runs this life ends; without it (local) a
+    crashed group is started again here after a back-off, and a stopped group stays stopped.
+    """
+
+    run: RunDir
+    group: int
+    max_restarts: int
+    start: Callable[[], Processes]
+    requeue: Callable[[str], None] | None = None
+    restarts: int = 0  # restarts after failures so far (SLURM: from its restart count)
+    restart_count: int | None = None  # SLURM's own count of this element's starts after the first
+    stop_grace_s: float | None = STOP_GRACE_S  # then the ranks are killed; None: wait (SLURM's limit ends it)
+    log: Callable[[str], None] = lambda text: None
+    clock: Callable[[], float] = time.monotonic
+    state: State = State.PENDING
+    exit_codes: list[int | None] = field(default_factory=list)
+    reason: str = ""
+    procs: Processes | None = None
+    next_start: float = 0.0
+    stop_asked_at: float | None = None
+    requeue_on_stop: bool = False
+    exit_code: int = EXIT_OK
+
+    def __post_init__(self) -> None:
+        for mark in (self.run.stop_mark(self.group), self.run.requeue_mark(self.group),
+                     self.run.input_error_file(self.group)):
+            mark.unlink(missing_ok=True)
+        if self.restarts > self.max_restarts:
+            self._end(State.FAILED, EXIT_FAILED,
+                      f"group {self.group} was restarted {self.restarts} times after failures, more than "
+                      f"run.max_restarts = {self.max_restarts}; not running")
+        self.publish()
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in (State.PENDING, State.RUNNING)
+
+    def request_stop(self, requeue: bool = False) -> None:
+        """Checkpoint and stop; with ``requeue`` (the time limit's warning) go on afterwards,
+        unless `hpcdl cancel` left its mark. A group not started yet does not start."""
+        if self.ended:
+            return
+        self.requeue_on_stop = self.requeue_on_stop or requeue
+        if self.procs is None:
+            self._end(State.CANCELLED, EXIT_OK, "")
+            return
+        if self.stop_asked_at is None:
+            self.stop_asked_at = self.clock()
+            self._touch(self.run.stop_mark(self.group))
+            self.procs.ask_to_stop()
+
+    def poll(self) -> bool:
+        """One round of watching; True while the group still has to run."""
+        if self.ended:
+            return False
+        if self.procs is None:
+            if self.clock() >= self.next_start:
+                self.procs = self.start()
+                self.state = State.RUNNING
+                self.publish()
+            return True
+        self.exit_codes = self.procs.poll()
+        if (self.stop_asked_at is not None and self.stop_grace_s is not None
+                and self.clock() - self.stop_asked_at > self.stop_grace_s):
+            self.procs.kill()
+            self.exit_codes = self.procs.poll()
+        if all(c is not None for c in self.exit_codes):
+            self._attempt_ended()
+        elif any(c not in (None, 0) for c in self.exit_codes):
+            # One rank died: the others would wait in a collective until Gloo's timeout.
+            self.procs.kill()
+            self.exit_codes = self.procs.poll()
+            self._attempt_ended()
+        self.publish()
+        return not self.ended
+
+    def kill(self) -> None:
+        if self.procs is not None:
+            self.procs.kill()
+            self.procs.close()
+
+    def _attempt_ended(self) -> None:
+        self.procs.close()
+        self.procs = None
+        codes = self.exit_codes
+        checkpointed = self.run.requeue_mark(self.group).exists()
+        for mark in (self.run.stop_mark(self.group), self.run.requeue_mark(self.group)):
+            mark.unlink(missing_ok=True)
+        cancelled = self.run.cancel_mark.exists()
+        if all(c == 0 for c in codes):
+            if not checkpointed and (self.stop_asked_at is None or self._reports_finished()):
+                self._end(State.FINISHED, EXIT_OK, "")
+            elif self.requeue is not None and self.requeue_on_stop and not cancelled:
+                planned = self.run.planned_requeues_file(self.group)
+                write_bytes_atomic(planned, f"{read_count(planned) + 1}\n".encode())
+                self._end(State.REQUEUED, EXIT_OK, "")
+                self.requeue("checkpointed")
+            else:
+                # Stopped at a checkpoint: by a cancel, a signal to the ranks, or Ctrl-C.
+                if self.requeue is not None and self.requeue_on_stop:
+                    self.log(f"group {self.group} checkpointed; the run was cancelled, not requeueing")
+                self._end(State.CANCELLED, EXIT_OK, "")
+            return
+        failed = [c for c in codes if c not in (0, None)]
+        code = failed[0] if failed else EXIT_FAILED
+        what = f"group {self.group}'s ranks exited with status {', '.join(str(c) for c in codes)}"
+        if self.stop_asked_at is not None or cancelled:
+            self._end(State.CANCELLED, code, what + " while stopping")
+        elif EXIT_USER_ERROR in codes or self.run.input_error_file(self.group).exists():
+            said = _first_line(self.run.input_error_file(self.group))
+            self._end(State.FAILED, code, f"{what}: an input error no restart can mend"
+                                          + (f": {said}" if said else " (see the rank logs)"))
+        elif self.restarts >= self.max_restarts:
+            self._end(State.FAILED, code, f"{what}, after {self.restarts} restarts: run.max_restarts = "
+                                          f"{self.max_restarts} allows no more")
+        else:
+            self.restarts += 1
+            self.reason = f"{what}; restart {self.restarts} of {self.max_restarts} from the newest checkpoint"
+            self.log(self.reason)
+            if self.requeue is not None:
+                self._end(State.REQUEUED, EXIT_OK, self.reason)
+                self.requeue("crashed")
+            else:
+                self.state = State.PENDING
+                self.next_start = self.clock() + RESTART_BACKOFF_S[min(self.restarts - 1, len(RESTART_BACKOFF_S) - 1)]
+
+    def _end(self, state: State, code: int, reason: str) -> None:
+        self.state, self.exit_code, self.reason = state, code, reason
+        if state == State.FAILED:
+            self.log(f"error: {reason}")
+        self.publish()
+
+    def _reports_finished(self) -> bool:
+        """The group's own word: a stop asked as its last step ended is no stop."""
+        try:
+            return json.loads(self.run.group_state_file(self.group).read_bytes()).get("state") == State.FINISHED
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def _touch(self, path: Path) -> None:
+        try:
+            path.touch()
+        except OSError:
+            pass  # a full disk: the signal to the ranks (local) still stops them
+
+    def record(self) -> dict:
+        return {"state": self.state, "restarts": self.restarts, "restart_count": self.restart_count,
+                "exit_codes": self.exit_codes, "pids": self.procs.pids if self.procs else [],
+                "reason": self.reason}
+
+    def publish(self) -> None:
+        """The life's record for `hpcdl status`; a full disk keeps the previous one."""
+        try:
+            write_json_atomic(self.run.life_file(self.group), {**self.record(), "updated": time.time()})
+        except OSError:
+            pass
+
+
+@dataclass
+class ShardLife:
+    shard: int
+    procs: Processes | None = None
+    restarts: int = 0
+    code: int | None = None
+
+
+@dataclass
+class ApplierLife:
+    """The appliers of a run's exchange, one process per shard.
+
+    A shard whose applier crashed is started again from its durable state, at most
+    ``max_restarts`` times; ``EXIT_OK`` (done), ``EXIT_REQUEUE`` (asked to stop) and
+    ``EXIT_LOCKED`` (another applier holds the shard) end it. ``request_stop`` makes every shard
+    commit and exit; ``requeue`` (SLURM) then continues the appliers, unless the run was cancelled.
+    """
+
+    run: RunDir
+    shards: int
+    max_restarts: int
+    start: Callable[[int], Processes]
+    requeue: Callable[[str], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    lives: list[ShardLife] = field(default_factory=list)
+    stop_asked_at: float | None = None
+    requeue_on_stop: bool = False
+    log: Callable[[str], None] = lambda text: None
+
+    def __post_init__(self) -> None:
+        self.lives = [ShardLife(k) for k in range(self.shards)]
+
+    def begin(self) -> None:
+        for life in self.lives:
+            life.procs = self.start(life.shard)
+
+    @property
+    def running(self) -> bool:
+        return any(life.code is None and life.procs is not None for life in self.lives)
+
+    def poll(self, groups_active: bool = True) -> bool:
+        """One round; a crashed shard restarts only while groups still train. True while any runs."""
+        for life in self.lives:
+            if life.procs is None or life.code is not None:
+                continue
+            code = life.procs.poll()[0]
+            if code is None:
+                if self.stop_asked_at is not None and self.clock() - self.stop_asked_at > APPLIER_STOP_GRACE_S:
+                    life.procs.kill()
+                continue
+            if (code in (EXIT_OK, EXIT_REQUEUE, EXIT_LOCKED) or self.stop_asked_at is not None
+                    or self.run.cancel_mark.exists() or not groups_active):
+                life.code = code
+            elif life.restarts >= self.max_restarts:
+                life.code = code
+                self.log(f"shard {life.shard}'s applier exited with status {code}, {life.restarts + 1} times: "
+                         f"more than run.max_restarts = {self.max_restarts}")
+            else:
+                life.restarts += 1
+                self.log(f"shard {life.shard}'s applier exited with status {code}; starting it again from its "
+                         f"state ({life.restarts} of {self.max_restarts})")
+                life.procs = self.start(life.shard)
+        return self.running
+
+    def request_stop(self, requeue: bool = False) -> None:
+        self.requeue_on_stop = self.requeue_on_stop or requeue
+        if self.stop_asked_at is None:
+            self.stop_asked_at = self.clock()
+            for life in self.lives:
+                if life.procs is not None and life.code is None:
+                    life.procs.ask_to_stop()
+
+    def finish(self) -> int:
+        """After every shard ended: requeue if they were asked to stop for that; the exit code."""
+        codes = [life.code for life in self.lives]
+        failed = next((c for c in codes if c not in (EXIT_OK, EXIT_REQUEUE, EXIT_LOCKED, None)), None)
+        if failed is not None:
+            return failed
+        if EXIT_REQUEUE in codes and self.requeue is not None and self.requeue_on_stop:
+            if self.run.cancel_mark.exists():
+                self.log("applier state committed; the run was cancelled, not requeueing")
+            else:
+                self.requeue("committed")
+        return EXIT_OK
+
+    def kill(self) -> None:
+        for life in self.lives:
+            if life.procs is not None:
+                life.procs.kill()
+
+    def record(self) -> dict:
+        return {"restarts": sum(life.restarts for life in self.lives),
+                "shards": [{"shard": life.shard, "pid": (life.procs.pids or [None])[0] if life.procs else None,
+                            "running": life.code is None and life.procs is not None and bool(life.procs.pids),
+                            "restarts": life.restarts, "exit_code": life.code} for life in self.lives]}
