@@ -52,7 +52,7 @@ class HpcdlGroup(click.Group):
     """Turns input errors into one line and exit 2, and failures into exit 1."""
 
     def invoke(self, ctx):
-        from hpcdl.config import JobError
+        from hpcdl.errors import JobError
         from hpcdl.evaluate import EvaluateError
         from hpcdl.exchange import CorruptFile
         from hpcdl.launch import LaunchError

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import tomli_w
 
+from hpcdl.errors import JobError
 from hpcdl.files import read_regular
 from hpcdl.resources import shipped_dir
 
@@ -31,10 +32,6 @@ BACKEND_CHOICES = ("auto", "local", "slurm")  # auto: SLURM where it answers, el
 # Inside a group: Gloo (TCP and an HTTP rendezvous hpcdl runs; no MPI needed) or MPI (one MPI job
 # per group, started by srun --mpi=<slurm.mpi> or, locally, mpirun; Horovod built with MPI).
 CONTROLLER_CHOICES = ("gloo", "mpi")
-
-
-class JobError(ValueError):
-    """A job file or override that cannot be used; the message names the field."""
 
 
 def check_plain_text(name: str, value: str) -> None:
@@ -56,7 +53,7 @@ class RunConfig:
     runs_dir: str = "runs"  # where run directories are made; on a cluster, a file system every node sees
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
-    unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.runkey)
+    unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
     controller: str = "gloo"  # how a group's ranks talk: gloo or mpi (CONTROLLER_CHOICES)
 
     def validate(self) -> None:
@@ -89,9 +86,6 @@ class RunConfig:
         return self.nodes_per_group * self.ranks_per_node
 
 
-# Adam's constants (Kingma & Ba's), one set for the engine's Adam inside a group and the
-# applier's: the same rule on both sides of the exchange.
-ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON = 0.9, 0.999, 1e-8
 TRAIN_OPTIMIZERS = ("adam", "sgd")  # the engine's (hpcdl.engine.optim)
 
 
@@ -497,7 +491,3 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def _positive(name: str, value: int) -> None:
     if value < 1:
         raise JobError(f"{name} must be >= 1, got {value}")
-
-
-def write_job(job: Job, path: Path) -> None:
-    path.write_text(job.to_toml())

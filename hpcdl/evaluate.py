@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
 
 
@@ -60,7 +60,8 @@ def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
 
 def _check_manifest(path: Path) -> None:
     """A torn, edited or foreign manifest is one line naming it, before TensorFlow loads anything."""
-    from hpcdl.config import JobError, job_from_dict
+    from hpcdl.errors import JobError
+    from hpcdl.config import job_from_dict
 
     manifest = read_json_file(path)
     shape = manifest.get("input_shape") if isinstance(manifest, dict) else None

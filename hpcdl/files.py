@@ -1,7 +1,7 @@
 """The one place hpcdl publishes a file or appends a line to one.
 
 * :func:`atomic_write` (and :func:`atomic_write_bytes`, :func:`atomic_path` for writers that need a
-  file name, such as h5py): the whole file under ``.tmp-<uuid>-<name>`` in the destination
+  file name, such as h5py, and :func:`atomic_paths` for several files published together): the whole file under ``.tmp-<uuid>-<name>`` in the destination
   directory, flushed and fsynced, renamed onto the name, the directory fsynced. Readers see the
   old file or the new one, never a part; a failure (a full disk, a quota) removes the temporary
   and raises, and the old file stays. ``fsync=False`` keeps the atomicity and skips the two
@@ -14,7 +14,7 @@
   inputs), refused unless it is a regular file of bounded size: a symlink to ``/dev/zero`` or a
   FIFO must not fill the memory or hang a command.
 
-Files get the mode of an :class:`hpcdl.runkey.Access` policy (owner-only by default), whatever
+Files get the mode of an :class:`hpcdl.access.Access` policy (owner-only by default), whatever
 the umask; :func:`atomic_path` without one follows the umask, like ``open(path, "w")``.
 """
 
@@ -28,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 
 TMP_PREFIX = ".tmp-"
 
@@ -57,22 +57,10 @@ def fsync_dir(path: Path) -> None:
 def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool = True,
                  access: Access | None = None) -> Path:
     """Publish ``path`` with what ``write(file)`` writes (see the module docstring)."""
-    path = Path(path)
-    access = access or Access()
-    tmp = temporary_for(path)
-    try:
-        with os.fdopen(access.open_new(tmp), "wb") as f:
+    with atomic_path(path, access=access or Access(), fsync=fsync) as tmp:
+        with open(tmp, "r+b") as f:
             write(f)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync:
-        fsync_dir(path.parent)
-    return path
+    return Path(path)
 
 
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
@@ -81,23 +69,42 @@ def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
 
 
 @contextmanager
-def atomic_path(path: Path, *, access: Access | None = None) -> Iterator[Path]:
+def atomic_path(path: Path, *, access: Access | None = None, fsync: bool = True) -> Iterator[Path]:
     """A temporary path next to ``path`` to write by name; published onto ``path`` on success."""
-    path = Path(path)
-    tmp = temporary_for(path)
-    os.close(access.open_new(tmp) if access else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
-    try:
+    with atomic_paths([path], access=access, fsync=fsync) as (tmp,):
         yield tmp
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
+
+
+@contextmanager
+def atomic_paths(paths: list[Path], *, access: Access | None = None, fsync: bool = True) -> Iterator[list[Path]]:
+    """Temporaries beside several files, published together once the block ends well: each is
+    renamed onto its file only after every one is written (and flushed to disk), so a failure
+    leaves all the old files and no temporary. (A crash between two renames can still leave a mix;
+    readers that need a consistent set check it, e.g. by a shared id.)"""
+    paths = [Path(p) for p in paths]
+    temporaries: list[Path] = []
+    try:
+        for path in paths:
+            tmp = temporary_for(path)
+            os.close(access.open_new(tmp) if access else os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            temporaries.append(tmp)
+        yield temporaries
+        if fsync:
+            for tmp in temporaries:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        for tmp, path in zip(temporaries, paths):
+            os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        for tmp in temporaries:
+            tmp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    if fsync:
+        for directory in dict.fromkeys(path.parent for path in paths):
+            fsync_dir(directory)
 
 
 def append_lines(path: Path, data: bytes, *, access: Access, fsync: bool = False) -> int:

@@ -16,7 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from hpcdl.config import Job, JobError, load_job
+from hpcdl.config import Job, load_job
+from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.lifecycle import forget_requeues
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler

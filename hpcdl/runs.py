@@ -22,7 +22,7 @@ submission leaves nothing behind.
 
 Permissions: the run directory and everything `create_run` puts in it are owner-only (0700 / 0600)
 or group-only (2770 / 0660 with `run.unix_group`), whatever the umask; files written later through
-this module get the mode of the directory's policy too (see hpcdl.runkey).
+this module get the mode of the directory's policy too (see hpcdl.access).
 """
 
 from __future__ import annotations
@@ -41,9 +41,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.config import Job, JobError, job_from_dict
+from hpcdl.config import Job, job_from_dict
+from hpcdl.errors import JobError
 from hpcdl.files import append_lines, atomic_write_bytes, read_regular
-from hpcdl.runkey import KEY_FILE, Access, RunKeyError, access_for_job, create_key
+from hpcdl.access import Access, access_for_job
+from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
 from hpcdl.storage import REPORT_FILE, StorageReport
 
 import tomllib
@@ -121,8 +123,6 @@ class RunDir:
 
     def signer(self):
         """The keyed signer of this run's exchange (raises RunKeyError without a sound key)."""
-        from hpcdl.runkey import RunKeyError, run_signer
-
         try:
             return run_signer(self.root)
         except RunKeyError as exc:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 
 log = logging.getLogger("hpcdl.storage")
 

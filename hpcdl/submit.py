@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job, JobError, check_plain_text, load_job, resolve_job_path
+from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
+from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
 from hpcdl.schedulers import Scheduler, SubmitRequest, choose_backend, get_scheduler
 from hpcdl.schedulers.base import DryRun

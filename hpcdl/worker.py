@@ -31,7 +31,7 @@ from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 from hpcdl.files import read_regular
-from hpcdl.config import JobError
+from hpcdl.errors import JobError
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic

@@ -43,3 +43,22 @@ def test_a_larger_file_is_refused_or_read_by_its_tail(tmp_path):
 def test_a_missing_file_is_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError):
         read_regular(tmp_path / "none")
+
+
+def test_several_files_are_published_together_or_not_at_all(tmp_path):
+    from hpcdl.files import atomic_paths
+
+    names = [tmp_path / f"{split}.h5" for split in ("train", "val", "test")]
+    for name in names:
+        name.write_text("old")
+    with pytest.raises(OSError):
+        with atomic_paths(names) as temporaries:
+            temporaries[0].write_text("new")
+            raise OSError(28, "No space left on device")
+    assert [n.read_text() for n in names] == ["old"] * 3 and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n.name for n in names)
+    with atomic_paths(names) as temporaries:
+        for tmp in temporaries:
+            assert not (tmp_path / "train.h5").read_text() == "new"
+            tmp.write_text("new")
+    assert [n.read_text() for n in names] == ["new"] * 3 and len(list(tmp_path.iterdir())) == 3

@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.config import JOBS_DIR, JobError, load_job
+from hpcdl.config import JOBS_DIR, load_job
+from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, RunIdTaken, append_jsonl, create_run, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler
 from hpcdl.status import collect

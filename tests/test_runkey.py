@@ -20,7 +20,8 @@ from hpcdl.config import load_job
 from hpcdl.exchange import Channel, CorruptFile, Signer
 from hpcdl.storage import StorageReport
 from hpcdl.exchange.group import ExchangeSync, adopt_master_weights, run_channel
-from hpcdl.runkey import Access, RunKeyError, create_key, load_key, load_key_file, run_signer
+from hpcdl.access import Access
+from hpcdl.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
 from hpcdl.runs import RunError, append_jsonl, create_run, write_json_atomic
 from tests.conftest import HPCDL, set_args, tiny_overrides
 
@@ -125,7 +126,7 @@ def test_unknown_unix_group_is_refused_cleanly(tmp_path):
         with create_run(job, "local"):
             pass
     assert not any(p for p in (tmp_path / "runs").iterdir()) if (tmp_path / "runs").exists() else True
-    from hpcdl.config import JobError
+    from hpcdl.errors import JobError
 
     with pytest.raises(JobError, match="unix group name"):
         job_for(tmp_path, 'run.unix_group="bad name; rm -rf"')

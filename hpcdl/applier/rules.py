@@ -34,7 +34,7 @@ from typing import ClassVar, Mapping
 
 import numpy as np
 
-from hpcdl.config import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 
 Arrays = dict[str, np.ndarray]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from hpcdl.config import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 
 
 class Adam(tf.Module):

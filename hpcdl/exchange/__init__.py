@@ -146,7 +146,7 @@ a corrupt one (the applier counts it under ``rejected_corrupt`` and moves it asi
 
 Permissions
 ===========
-Directories and files get their modes from the Channel's :class:`hpcdl.runkey.Access`, never from
+Directories and files get their modes from the Channel's :class:`hpcdl.access.Access`, never from
 the process umask: owner only by default (directories 0700, files 0600), group only when the job
 names a unix group (2770 / 0660). A directory the channel creates gets the policy; an existing
 subdirectory of ours that is looser is tightened; an existing root is left as it is (it may be

@@ -23,7 +23,7 @@ from hpcdl.exchange.format import (
     MAX_HEADER_BYTES, CorruptFile, Signer, Tensors, _is_int, read_file, write_file,
 )
 from hpcdl.files import TMP_PREFIX
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 
 log = logging.getLogger("hpcdl.exchange")
 

@@ -22,7 +22,7 @@ import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from hpcdl.files import atomic_write
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 
 MAGIC = b"HPCDLX\r\n"
 FORMAT_VERSION = 1

@@ -12,7 +12,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hpcdl.config import Job, JobError
+from hpcdl.config import Job
+from hpcdl.errors import JobError
 from hpcdl.runs import RunDir
 
 

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job, JobError
+from hpcdl.config import Job
+from hpcdl.errors import JobError
 from hpcdl.launch import (
     RENDEZVOUS_PORT_ENV, SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
     worker_environ,
 )
 from hpcdl.lifecycle import ApplierLife, GroupLife, Popened
-from hpcdl.runkey import Access
+from hpcdl.access import Access
 from hpcdl.runs import RunDir, RunError, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt

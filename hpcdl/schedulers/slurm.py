@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job, JobError
+from hpcdl.config import Job
+from hpcdl.errors import JobError
 from hpcdl.engine.tuning import plan_threads
 from hpcdl.launch import expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.lifecycle import (

@@ -24,7 +24,7 @@ def names() -> list[str]:
 
 
 def get_workload(name: str) -> "Workload":
-    from hpcdl.config import JobError
+    from hpcdl.errors import JobError
 
     if name not in _REGISTRY:
         raise JobError(f"unknown workload {name!r} (known: {', '.join(names())})")

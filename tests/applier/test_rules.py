@@ -169,7 +169,8 @@ def test_the_default_applier_rate_follows_the_groups():
 
 
 def test_an_adaptive_outer_rule_for_deltas_defaults_to_the_groups_rate_and_a_negative_seed_is_refused():
-    from hpcdl.config import EmulateConfig, ExchangeConfig, JobError
+    from hpcdl.config import EmulateConfig, ExchangeConfig
+    from hpcdl.errors import JobError
 
     assert ExchangeConfig(kind="delta", optimizer="adam").applier_learning_rate(1e-3, 2) == 1e-3
     with pytest.raises(JobError, match="emulate.seed"):

@@ -9,7 +9,7 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 
 from hpcdl.applier.rules import Adam as ApplierAdam, RuleParams  # noqa: E402
-from hpcdl.config import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON  # noqa: E402
+from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON  # noqa: E402
 from hpcdl.engine.optim import make_optimizer  # noqa: E402
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hpcdl.config import JobError, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import load_job
 from hpcdl.doctor import bf16_label
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.submit import check_precision

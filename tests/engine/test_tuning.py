@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpcdl.config import JobError, TuningConfig, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import TuningConfig, load_job
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.config import JobError, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import load_job
 from hpcdl.schedulers import choose_backend
 from hpcdl.schedulers.local import check_capacity
 from tests.conftest import HPCDL

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.config import JobError, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcdl.config import JobError
+from hpcdl.errors import JobError
 from hpcdl.engine import flops as count
 from hpcdl.engine.flops import FlopCount
 from hpcdl.workloads.climate.data import NUM_CLASSES

@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.config import JobError
+from hpcdl.errors import JobError
 from hpcdl.workloads.base import Workload
 from hpcdl.workloads.climate import data as cdata
 from hpcdl.workloads.climate.boxes import decode_grid

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from hpcdl.config import JobError
+from hpcdl.errors import JobError
 from hpcdl.workloads.base import Workload
 from hpcdl.workloads.hep import data as hepdata
 from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig

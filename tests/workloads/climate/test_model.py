@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hpcdl.config import JobError, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import load_job
 from hpcdl.workloads.climate.config import ClimateModelConfig
 from hpcdl.workloads.climate.boxes import encode_boxes
 from hpcdl.workloads.climate.model import ClimateNet, detection_loss

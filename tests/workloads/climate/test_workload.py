@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from hpcdl.config import JobError, load_job
+from hpcdl.errors import JobError
+from hpcdl.config import load_job
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.climate.data import DataError
 from tests.workloads.climate import write_ew

@@ -1,0 +1,6 @@
+"""The error every layer raises for input the user can fix (a job field, a data file, a plugin):
+the CLI prints its message as one line and exits 2. A leaf: it imports nothing of hpcdl."""
+
+
+class JobError(ValueError):
+    """A job file, override or input that cannot be used; the message names the field."""
