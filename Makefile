@@ -15,7 +15,7 @@ FILTERS ?= 32
 MPI ?= 0
 INSTALLED := $(VENV)/.installed$(if $(filter 1,$(MPI)),-mpi)
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench docs clean
 
 install: $(INSTALLED)
 
@@ -42,6 +42,11 @@ test-fast: install
 
 bench: install
 	$(VENV)/bin/python -m bench
+
+# The generated reference pages and the docs' pictures, redrawn from the code and bench/results/.
+docs: install
+	$(VENV)/bin/python -m hpcdl.reference
+	$(VENV)/bin/python -m docs.figures
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -46,11 +46,11 @@ def check_plain_text(name: str, value: str) -> None:
 class RunConfig:
     """How many nodes, in which groups, on which backend."""
 
-    nodes: int = 1
+    nodes: int = 1  # nodes in all (--nodes)
     group_size: int = 0  # 0: all nodes form one synchronous group
-    ranks_per_node: int = 1
+    ranks_per_node: int = 1  # Horovod ranks per node, sharing its cores
     backend: str = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
-    runs_dir: str = "runs"
+    runs_dir: str = "runs"  # where run directories are made; on a cluster, a file system every node sees
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
@@ -92,14 +92,14 @@ class RunConfig:
 class TrainConfig:
     """The synchronous loop inside one group."""
 
-    steps: int = 300
-    batch_per_rank: int = 128
-    optimizer: str = "adam"
-    learning_rate: float = 1e-3
-    seed: int = 0
-    log_every: int = 10
-    checkpoint_every: int = 100
-    keep_checkpoints: int = 3
+    steps: int = 300  # training steps of each group
+    batch_per_rank: int = 128  # examples per rank and step; a group's batch is this times its ranks
+    optimizer: str = "adam"  # the groups' own (inner) optimizer (hpcdl.engine.optim)
+    learning_rate: float = 1e-3  # the inner optimizer's; the applier's default derives from it
+    seed: int = 0  # the weights' initialisation and the order of the training data
+    log_every: int = 10  # steps between metrics lines (groups/<g>/metrics.jsonl) and state updates
+    checkpoint_every: int = 100  # steps between checkpoints (a stop checkpoints as well)
+    keep_checkpoints: int = 3  # newest checkpoints kept per group
     validate_every: int = 100  # steps between validations on data.val (0: none); hybrid: the master
     validate_events: int = 1024  # the fixed subset: the first N examples of data.val
 
@@ -139,9 +139,9 @@ class ExchangeConfig:
     max_outstanding: int = 0  # 0: a root never waits; K: at most K unanswered updates a group
     reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
     delta_dtype: str = "float32"  # delta: float16 halves the bytes exchanged
-    max_staleness: int = 16
-    stale_policy: str = "drop"
-    keep_versions: int = 3
+    max_staleness: int = 16  # master versions an update may be behind; staler ones meet stale_policy
+    stale_policy: str = "drop"  # drop: deleted unapplied; downweight: applied at lr / (1 + staleness)
+    keep_versions: int = 3  # newest master weights versions kept in the exchange directory
     max_pending_per_group: int = 16  # twice the applier's batch: a keeping-up applier loses none
     shards: int | str = 1  # appliers, each owning a byte-balanced part of the tensors; "auto": hpcdl plan's
 
@@ -212,16 +212,16 @@ class EmulateConfig:
     are seeded by (seed, shard, step), so a run, restarts included, is reproducible.
     """
 
-    enabled: bool = False
-    step_seconds: float = 0.25
-    sigma: float = 0.0
-    stall_probability: float = 0.0
-    stall_factor: float = 4.0
+    enabled: bool = False  # pad every rank-step with an emulated straggler's sleep (experiments only)
+    step_seconds: float = 0.25  # the step time the sleeps pad to, before the factor X
+    sigma: float = 0.0  # spread of X, lognormal with mean 1
+    stall_probability: float = 0.0  # chance that a step stalls
+    stall_factor: float = 4.0  # a stalled step is this many times longer
     slow_shard: int = -1  # -1: none
-    slow_factor: float = 2.0
+    slow_factor: float = 2.0  # slow_shard's steps are this many times longer throughout
     kill_shard: int = -1  # -1: none
-    kill_after_s: float = 30.0
-    seed: int = 0
+    kill_after_s: float = 30.0  # seconds into the run at which kill_shard kills itself
+    seed: int = 0  # the draws are seeded by (seed, shard, step)
 
     def validate(self) -> None:
         if not self.step_seconds > 0:
@@ -255,9 +255,9 @@ class TuningConfig:
 
     intra_op_threads: int = 0  # 0: the cores a rank owns
     inter_op_threads: int = 0  # 0: 2 when a rank owns >= 2 cores, else 1 (hpcdl.engine.tuning)
-    onednn: bool = True
-    kmp_blocktime: int = 0
-    kmp_affinity: str = "granularity=fine,compact,1,0"
+    onednn: bool = True  # oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS)
+    kmp_blocktime: int = 0  # KMP_BLOCKTIME, for OpenMP-linked libraries
+    kmp_affinity: str = "granularity=fine,compact,1,0"  # KMP_AFFINITY, for OpenMP-linked libraries
     precision: str = "float32"  # see PRECISION_CHOICES
     conv_weight_grad: str = "auto"  # see CONV_WEIGHT_GRAD_CHOICES and hpcdl.engine.tuning
 
@@ -276,18 +276,18 @@ SLURM_STOP_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
 class SlurmConfig:
     """What a site sets for its cluster; every value is quoted when rendered."""
 
-    partition: str = ""
+    partition: str = ""  # #SBATCH --partition (empty: the site's default)
     applier_partition: str = ""  # empty: the same as `partition`; often a shared or service queue
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    time: str = "01:00:00"
-    cpus_per_task: int = 0
-    signal_seconds: int = 120
+    account: str = ""  # #SBATCH --account (empty: none)
+    qos: str = ""  # #SBATCH --qos (empty: none)
+    constraint: str = ""  # #SBATCH --constraint (empty: none)
+    time: str = "01:00:00"  # #SBATCH --time of each job; a group near it checkpoints and requeues
+    cpus_per_task: int = 0  # #SBATCH --cpus-per-task (0: the site's default)
+    signal_seconds: int = 120  # how long before the time limit `signal` arrives
     signal: str = "USR1"  # what SLURM sends the batch shell signal_seconds before the limit
-    extra_sbatch: list[str] = field(default_factory=list)
-    setup: list[str] = field(default_factory=list)
-    template_dir: str = ""
+    extra_sbatch: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--exclusive"
+    setup: list[str] = field(default_factory=list)  # shell lines before the ranks, e.g. "module load python"
+    template_dir: str = ""  # a site's copy of slurm_templates/ (empty: the shipped ones)
     rendezvous_host: str = ""  # empty: the batch host's name; the ranks must reach it
     gloo_iface: str = ""  # network interface for Gloo (e.g. ib0); empty: Gloo's choice
     mpi: str = "pmix"  # run.controller = "mpi": srun --mpi=<this> (pmix, pmi2, pmix_v4: srun --mpi=list)
