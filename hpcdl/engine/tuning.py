@@ -5,6 +5,9 @@ must be applied to `os.environ` before `import tensorflow`; the intra/inter-op p
 after (`configure_tensorflow`). Every decision carries its reason, shown by `hpcdl doctor` and
 written to each rank's log; every one can be overridden in the job's `[tuning]` section.
 
+(Over 500 lines on purpose: the rules share the CPU reading and one plan, and each is short; split
+apart, a reader would follow one decision across files.)
+
 The rules (all pure functions below, tested in tests/engine/test_tuning.py):
 
 * cores a rank owns: under `srun` with `--cpus-per-task`, SLURM_CPUS_PER_TASK (capped by the

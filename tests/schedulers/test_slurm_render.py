@@ -316,4 +316,4 @@ def test_a_site_template_must_launch_the_group_s_life(tmp_path):
         render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
     (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nmodule load x\nexec {{ launch }}\n")
     assert render_group_script(request([f'slurm.template_dir="{tmp_path}"'])).endswith(
-        "exec /opt/hpcdl/bin/python -u -m hpcdl.schedulers.slurm group /scratch/runs/hep-1\n")
+        "exec /opt/hpcdl/bin/python -u -m hpcdl.schedulers.slurm_batch group /scratch/runs/hep-1\n")
