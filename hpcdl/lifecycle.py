@@ -196,7 +196,11 @@ class GroupLife:
             return False
         if self.procs is None:
             if self.clock() >= self.next_start:
-                self.procs = self.start()
+                try:
+                    self.procs = self.start()
+                except OSError as exc:  # no srun or mpirun here, no port for the rendezvous
+                    self._end(State.FAILED, EXIT_FAILED, f"group {self.group} could not start: {exc}")
+                    return False
                 self.state = State.RUNNING
                 self.publish()
             return True

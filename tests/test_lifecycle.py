@@ -215,3 +215,11 @@ def test_an_input_error_mark_stops_retries_whatever_the_launcher_reported(run):
     procs.end(137)
     assert not life.poll() and life.state == State.FAILED and len(started) == 1
     assert "none.h5" in life.reason
+
+
+def test_a_group_that_cannot_start_fails_with_one_line(run):
+    def start():
+        raise FileNotFoundError(2, "No such file or directory", "srun")
+
+    life = GroupLife(run, 0, 2, start)
+    assert not life.poll() and life.state == State.FAILED and "could not start" in life.reason
