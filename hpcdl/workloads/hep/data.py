@@ -42,6 +42,7 @@ __all__ = [
     "batches_per_epoch",
     "iter_batches",
     "open_hep",
+    "read_events",
     "shard_range",
 ]
 
@@ -159,6 +160,12 @@ class HepReader:
         )
 
 
+def read_events(hep: HepFile, start: int, stop: int) -> Batch:
+    """Events ``[start, stop)`` of ``hep`` (opens and closes the file; for repeated reads use a reader)."""
+    with HepReader(hep) as reader:
+        return reader.read(start, stop)
+
+
 def event_chunks(start: int, stop: int, chunk: int) -> Iterator[Tuple[int, int]]:
     for lo in range(start, stop, chunk):
         yield lo, min(lo + chunk, stop)
@@ -227,7 +234,7 @@ def _chunk_stream(
 ) -> Iterator[Tuple[int, Optional[Batch]]]:
     """Yield ``(epoch, chunk)`` for each chunk of the shard and ``(epoch, None)`` at epoch ends."""
     bounds = list(event_chunks(start, stop, chunk_events))
-    with hep.open() as reader:
+    with HepReader(hep) as reader:
         epoch = 0
         while epochs is None or epoch < epochs:
             order = np.arange(len(bounds))

@@ -26,15 +26,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import h5py
 import numpy as np
 
 from hpcdl.workloads import common
-
-if TYPE_CHECKING:
-    from hpcdl.workloads.hep.data import Batch, HepReader
 
 LAYOUT_NERSC = "nersc"
 LAYOUT_BENCHMARK = "benchmark"
@@ -62,7 +59,7 @@ _dataset = partial(common.h5_dataset, DataError)
 class HepFile:
     """A validated HEP data file: its layout and shape, with no data read yet.
 
-    Use :meth:`open` (a context manager) to read event ranges.
+    Read event ranges with :class:`hpcdl.workloads.hep.data.HepReader`.
     """
 
     path: Path
@@ -71,17 +68,6 @@ class HepFile:
     image_shape: Tuple[int, int, int]  # (H, W, 3)
     has_weight: bool
     has_pass_sr: bool
-
-    def open(self) -> "HepReader":
-        """An open reader on this file (close it, or use it in a ``with`` block)."""
-        from hpcdl.workloads.hep.data import HepReader  # the reader builds on this module
-
-        return HepReader(self)
-
-    def read(self, start: int, stop: int) -> "Batch":
-        """Events ``[start, stop)`` (opens and closes the file; for repeated reads use :meth:`open`)."""
-        with self.open() as reader:
-            return reader.read(start, stop)
 
 
 def _check_per_event(path: Path, ds: Optional[h5py.Dataset], name: str, n: int) -> None:

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Tuple
 
 import numpy as np
 
-from hpcdl.workloads.hep.data import check_chunk, event_chunks
+from hpcdl.workloads.hep.data import HepReader, check_chunk, event_chunks
 from hpcdl.workloads.hep.layout import DEFAULT_CHUNK, DataError, as_hep
 
 def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
@@ -21,7 +21,7 @@ def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     chunk = check_chunk(chunk)
     hep = as_hep(path)
     out = np.full(3, -np.inf)
-    with hep.open() as reader:
+    with HepReader(hep) as reader:
         for lo, hi in event_chunks(0, hep.n_events, chunk):
             x = reader.read_images(lo, hi)
             np.maximum(out, x.max(axis=(0, 1, 2)), out=out)
@@ -39,7 +39,7 @@ def class_weight_means(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
     hep = as_hep(path)
     sums = np.zeros(2)
     counts = np.zeros(2)
-    with hep.open() as reader:
+    with HepReader(hep) as reader:
         for lo, hi in event_chunks(0, hep.n_events, chunk):
             y = reader.read_labels(lo, hi)
             w = reader.read_weights(lo, hi).astype(np.float64)

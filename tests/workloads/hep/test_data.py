@@ -19,6 +19,7 @@ from hpcdl.workloads.hep.data import (
     batches_per_epoch,
     iter_batches,
     open_hep,
+    read_events,
     shard_range,
 )
 from hpcdl.workloads.hep.normalization import Normalization, channel_max, class_weight_means
@@ -74,7 +75,7 @@ def test_nersc_layout_detected(tmp_path):
     assert hep.layout == "nersc"
     assert hep.n_events == 50 and hep.image_shape == (6, 5, 3)
     assert hep.has_weight and hep.has_pass_sr
-    b = hep.read(0, 50)
+    b = read_events(hep, 0, 50)
     assert b.x.dtype == np.float32 and b.x.shape == (50, 6, 5, 3)
     np.testing.assert_array_equal(b.x, ref["x"])
     np.testing.assert_array_equal(b.y, ref["y"])
@@ -88,7 +89,7 @@ def test_nersc_optional_weight_and_selection(tmp_path):
     write_nersc(p, n=12, weight=False, pass_sr=False)
     hep = open_hep(p)
     assert not hep.has_weight and not hep.has_pass_sr
-    b = hep.read(2, 9)
+    b = read_events(hep, 2, 9)
     np.testing.assert_array_equal(b.w, np.ones(7, np.float32))
     assert b.pass_sr is None
     np.testing.assert_array_equal(class_weight_means(p), [1.0, 1.0])
@@ -101,7 +102,7 @@ def test_benchmark_layout_detected(tmp_path, onehot):
     hep = open_hep(p)
     assert hep.layout == "benchmark"
     assert hep.n_events == 40 and hep.image_shape == (4, 7, 3)
-    b = hep.read(5, 30)
+    b = read_events(hep, 5, 30)
     np.testing.assert_array_equal(b.x, ref["x"][5:30])  # channels first on disk, NHWC out
     assert b.x.flags["C_CONTIGUOUS"]
     np.testing.assert_array_equal(b.y, ref["y"][5:30])
@@ -231,13 +232,13 @@ def test_bad_label_values_raise_when_read(tmp_path):
         f["label"] = np.array([0, 1, 2, 0])
     hep = open_hep(p)
     with pytest.raises(DataError, match="labels must be 0 or 1"):
-        hep.read(0, 4)
+        read_events(hep, 0, 4)
     p2 = tmp_path / "oh.h5"
     with h5py.File(p2, "w") as f:
         f["data"] = np.zeros((2, 3, 2, 2), np.float32)
         f["label"] = np.array([[1, 1], [0, 1]])
     with pytest.raises(DataError, match="not one-hot"):
-        open_hep(p2).read(0, 2)
+        read_events(open_hep(p2), 0, 2)
 
 
 def test_data_error_is_value_error():

@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hpcdl.workloads.hep.data import DataError, open_hep
+from hpcdl.workloads.hep.data import DataError, HepReader, open_hep
 from tests.conftest import REPO
 
 SETTINGS = settings(max_examples=120, deadline=None, derandomize=True,
@@ -58,7 +58,7 @@ def read_everything(path: Path) -> None:
     """What training and evaluation do: open, then read every event in chunks (all accessors)."""
     hep = open_hep(path)
     h, w, c = hep.image_shape
-    with hep.open() as reader:
+    with HepReader(hep) as reader:
         for lo in range(0, hep.n_events, 8):
             hi = min(lo + 8, hep.n_events)
             b = reader.read(lo, hi)
@@ -244,7 +244,7 @@ RUN_LIMITED = textwrap.dedent("""
             x = next(iter(it))[0]
             it.close()
         else:  # one small read, in this thread
-            with hep.open() as reader:
+            with HepReader(hep) as reader:
                 x = reader.read(0, 4).x
         print(json.dumps({"result": "ok", "n": hep.n_events, "shape": list(x.shape)}))
     except DataError as e:
