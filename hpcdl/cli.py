@@ -326,6 +326,8 @@ def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
     from hpcdl.workloads.common import SPLITS
 
     w = get_workload(workload)
+    if not w.generator_module:
+        raise InputError(f"the {workload} workload has no synthetic data generator: its data is your own")
     count = given.pop(w.generate_count)
     if count is None:
         raise InputError(f"{workload} needs --{w.generate_count}")

@@ -369,7 +369,12 @@ def load_job(name_or_path: str, overrides: Mapping[str, str] | list[str] = ()) -
     raw.setdefault("name", path.stem)
     for key, value in _split_overrides(overrides):
         _apply_override(raw, key, value)
-    return job_from_dict(raw)
+    job = job_from_dict(raw)
+    # Code a job file names beside itself (a Keras builder file) is found from the job file's
+    # directory, and job.toml keeps the absolute path, so every rank and `resume` find it too.
+    resolved = {section: getattr(job, section).resolved(path.parent) for section in ("data", "model")
+                if hasattr(getattr(job, section), "resolved")}
+    return job.replace(**resolved) if resolved else job
 
 
 def job_from_dict(raw: Mapping[str, Any]) -> Job:

@@ -67,7 +67,7 @@ def _check_manifest(path: Path) -> None:
     shape = manifest.get("input_shape") if isinstance(manifest, dict) else None
     if (not isinstance(manifest, dict) or not isinstance(manifest.get("job"), dict)
             or not isinstance(manifest.get("workload"), str) or not isinstance(manifest.get("stats"), dict)
-            or not (isinstance(shape, list) and len(shape) == 3
+            or not (isinstance(shape, list) and len(shape) >= 1
                     and all(type(d) is int and d > 0 for d in shape))):
         raise EvaluateError(f"{path} is corrupt: not an hpcdl checkpoint manifest")
     try:

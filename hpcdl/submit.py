@@ -64,8 +64,9 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     if exchange is not None and job.exchange.active(job.run.groups) and (
             os.path.lexists(exchange) and not exchange.is_dir()):
         raise JobError(f"exchange.directory: {exchange} exists and is not a directory")
-    if job.run.check_data:  # on both backends: a missing file would fail every SLURM element
-        get_workload(job.workload).check_data(job)
+    # on both backends: a missing file would fail every SLURM element; a workload that builds
+    # the user's model checks it here, once, even when the data is only on the compute nodes
+    get_workload(job.workload).check_job(job, data=job.run.check_data)
     return Prepared(job, scheduler, dryrun, note)
 
 

@@ -1,8 +1,26 @@
-"""What the engine needs from a science workload, and nothing more.
+"""What the engine needs from a science workload, and nothing more: hpcdl's extension point.
 
-A workload owns its data (readers, normalisation), its model (a `tf.Module` with FLOP counts) and
-its metrics (evaluation). The engine only ever calls these methods, so it contains no workload
+A workload owns its data (readers, normalisation), its model (a `tf.Module` -- a Keras model
+wrapped as :class:`hpcdl.workloads.keras.model.KerasModel` is one -- with FLOP counts) and its
+metrics (evaluation). The engine only ever calls these methods, so it contains no workload
 code, and the schedulers contain neither.
+
+A workload of one's own is a subclass with a module-level instance, found by hpcdl through the
+``hpcdl.workloads`` entry-point group (``[project.entry-points."hpcdl.workloads"] myname =
+"my_package.workload:WORKLOAD"``, then ``workload = "myname"`` in a job file) or by a
+``workload = "my_package.workload:WORKLOAD"`` reference; `hpcdl workloads` lists what is
+installed. When each method is called, and where:
+
+* at job load (every process): `DataConfig` and `ModelConfig` are built from `[data]` and
+  `[model]` and their `validate()` called; a `resolved(job_dir)` method, if a section has one,
+  makes paths relative to the job file absolute;
+* at submit and resume (the login node): `check_job` (which calls `check_data`), then
+  `network_cost` for `exchange.shards = "auto"`;
+* in each training rank: `compute_stats` (once per group, its root), `input_shape`,
+  `build_model`, `train_batches`, `loss` (traced inside the step), and on the group's root
+  `validate` every `train.validate_every` steps;
+* in `hpcdl evaluate`: `build_model` from the checkpoint's manifest (job, stats, input shape),
+  then `evaluate`.
 """
 
 from __future__ import annotations
@@ -49,19 +67,30 @@ class Workload(ABC):
 
     @abstractmethod
     def check_data(self, job) -> None:
-        """Raise a one-line error if the job's data files are missing or of the wrong layout."""
+        """Raise a one-line error (JobError or a DataFileError) if the job's data files are missing
+        or of the wrong layout."""
+
+    def check_job(self, job, data: bool) -> None:
+        """Everything submit can check before anything is written (`data`: the data files are
+        readable here, run.check_data); a one-line JobError for what is wrong."""
+        if data:
+            self.check_data(job)
 
     @abstractmethod
     def compute_stats(self, job) -> dict[str, Any]:
-        """Normalisation constants from the training set, JSON-able; stored with the model."""
+        """Normalisation constants from the training set (and whatever else scoring needs),
+        JSON-able; stored with every checkpoint and given back to `train_batches`, `validate`
+        and `evaluate`."""
 
     @abstractmethod
     def input_shape(self, job) -> tuple[int, ...]:
-        """Shape of one example as the model sees it (H, W, C)."""
+        """Shape of one example as the model sees it (e.g. (H, W, C)); stored in the manifest."""
 
     @abstractmethod
     def build_model(self, model_config, input_shape: tuple[int, ...], seed: int, compute_dtype: str = "float32"):
-        """A fresh model (see `Model`) computing in `compute_dtype` (one of `compute_dtypes`)."""
+        """A fresh model (see `Model`: a `tf.Module` with `flops()` and `named_variables()`)
+        computing in `compute_dtype` (one of `compute_dtypes`); the same `model_config` and
+        `input_shape` must give the same variable names every time."""
 
     def network_cost(self, job) -> tuple[float, int]:
         """(training FLOPs per example, parameters) of the job's network at its data's input shape,

@@ -4,10 +4,9 @@ The files' layouts, and how a file is checked before anything is read, are
 :mod:`hpcdl.workloads.hep.layout`.
 
 Memory stays bounded: everything here reads with h5py slices of at most ``chunk_events`` events;
-no function ever loads a whole dataset. :func:`iter_batches` reads only the caller's shard
-(:func:`shard_range`), chunk by chunk, in a background thread feeding a bounded queue, so at most
-about ``(prefetch + 2) × chunk_events`` events are in memory at once (``prefetch`` queued chunks,
-one being read, one being consumed).
+no function ever loads a whole dataset. :func:`iter_batches` is the shared streaming reader
+(:mod:`hpcdl.workloads.stream`: the caller's shard only, chunk by chunk, prefetched in a
+background thread) over :class:`HepReader`.
 
 Normalisation (per-channel scales, class weights) is :mod:`hpcdl.workloads.hep.normalization`.
 """
@@ -15,18 +14,16 @@ Normalisation (per-channel scales, class weights) is :mod:`hpcdl.workloads.hep.n
 from __future__ import annotations
 
 import functools
-import queue
-import threading
-from typing import TYPE_CHECKING, Iterator, NamedTuple, Optional, Tuple
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import h5py
 import numpy as np
 
-from hpcdl.workloads import common
 from hpcdl.workloads.hep.layout import (
     CHANNELS, DEFAULT_CHUNK, LAYOUT_BENCHMARK, LAYOUT_NERSC, NERSC_GROUP, DataError, HepFile, as_hep, h5_errors,
     open_hep,
 )
+from hpcdl.workloads.stream import ChunkedBatches, check_chunk, check_stream_args, example_chunks, shard_range
 
 if TYPE_CHECKING:
     from hpcdl.workloads.hep.normalization import Normalization
@@ -166,40 +163,8 @@ def read_events(hep: HepFile, start: int, stop: int) -> Batch:
         return reader.read(start, stop)
 
 
-def event_chunks(start: int, stop: int, chunk: int) -> Iterator[Tuple[int, int]]:
-    for lo in range(start, stop, chunk):
-        yield lo, min(lo + chunk, stop)
-
-
-def check_chunk(chunk: int, name: str = "chunk") -> int:
-    if isinstance(chunk, bool) or not isinstance(chunk, (int, np.integer)) or chunk < 1:
-        raise ValueError(f"{name} must be a positive integer, got {chunk!r}")
-    return int(chunk)
-
-
-# --------------------------------------------------------------------------------------------------
-# sharding
-
-
-def shard_range(n_events: int, rank: int, size: int) -> Tuple[int, int]:
-    """The contiguous slice ``[start, stop)`` of ``n_events`` owned by ``rank`` of ``size``.
-
-    Shards are balanced (their sizes differ by at most one; the first ``n_events % size`` ranks get
-    one extra event) and together cover every event exactly once. With more ranks than events some
-    shards are empty.
-    """
-    for name, v in (("n_events", n_events), ("rank", rank), ("size", size)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"{name} must be an integer, got {v!r}")
-    if n_events < 0:
-        raise ValueError(f"n_events must be >= 0, got {n_events}")
-    if size < 1:
-        raise ValueError(f"size must be >= 1, got {size}")
-    if not 0 <= rank < size:
-        raise ValueError(f"rank must be in [0, {size}), got {rank}")
-    base, extra = divmod(int(n_events), int(size))
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
+# Sharding and chunking are the shared streaming reader's (hpcdl.workloads.stream).
+event_chunks = example_chunks
 
 
 def batches_per_epoch(
@@ -220,73 +185,8 @@ def batches_per_epoch(
 # batch iteration
 
 
-def _chunk_stream(
-    hep: HepFile,
-    start: int,
-    stop: int,
-    norm: Optional[Normalization],
-    shuffle: bool,
-    seed: int,
-    rank: int,
-    epochs: Optional[int],
-    chunk_events: int,
-    halt: threading.Event,
-) -> Iterator[Tuple[int, Optional[Batch]]]:
-    """Yield ``(epoch, chunk)`` for each chunk of the shard and ``(epoch, None)`` at epoch ends."""
-    bounds = list(event_chunks(start, stop, chunk_events))
-    with HepReader(hep) as reader:
-        epoch = 0
-        while epochs is None or epoch < epochs:
-            order = np.arange(len(bounds))
-            rng = np.random.default_rng([seed, rank, epoch]) if shuffle else None
-            if rng is not None:
-                rng.shuffle(order)
-            for i in order:
-                if halt.is_set():
-                    return
-                lo, hi = bounds[i]
-                b = reader.read(lo, hi)
-                x = b.x if norm is None else norm.apply(b.x, inplace=True)
-                if rng is not None:
-                    perm = rng.permutation(hi - lo)
-                    b = Batch(
-                        x[perm], b.y[perm], b.w[perm],
-                        None if b.pass_sr is None else b.pass_sr[perm], b.index[perm],
-                    )
-                else:
-                    b = b._replace(x=x)
-                yield epoch, b
-            yield epoch, None
-            epoch += 1
-
-
-def _concat(parts: list) -> Batch:
-    if len(parts) == 1:
-        return parts[0]
-    sr = None if parts[0].pass_sr is None else np.concatenate([p.pass_sr for p in parts])
-    return Batch(
-        np.concatenate([p.x for p in parts]),
-        np.concatenate([p.y for p in parts]),
-        np.concatenate([p.w for p in parts]),
-        sr,
-        np.concatenate([p.index for p in parts]),
-    )
-
-
-def _slice(b: Batch, lo: int, hi: int) -> Batch:
-    return Batch(
-        b.x[lo:hi], b.y[lo:hi], b.w[lo:hi], None if b.pass_sr is None else b.pass_sr[lo:hi],
-        b.index[lo:hi],
-    )
-
-
-class BatchIterator:
-    """Iterator of :class:`Batch` es over one rank's shard; see :func:`iter_batches`.
-
-    With ``prefetch > 0`` a daemon thread reads chunks ahead into a queue of ``prefetch`` chunks.
-    The thread holds no reference to this object, so dropping the iterator (or calling
-    :meth:`close`, or leaving a ``with`` block) stops it.
-    """
+class BatchIterator(ChunkedBatches):
+    """Iterator of :class:`Batch` es over one rank's shard; see :func:`iter_batches`."""
 
     def __init__(
         self,
@@ -304,109 +204,12 @@ class BatchIterator:
         prefetch: int,
         drop_remainder: bool,
     ):
-        self.batch_size = batch_size
-        self.drop_remainder = drop_remainder
-        self.shard = (start, stop)
-        self._halt = threading.Event()
-        self._pending: list = []  # parts of the next batch, all of the current epoch
-        self._pending_n = 0
-        self._current: Optional[Batch] = None  # the chunk being cut into batches
-        self._pos = 0
-        self._epoch = 0
-        self._finished = False
-        stream = _chunk_stream(
-            hep, start, stop, norm, shuffle, seed, rank, epochs, chunk_events, self._halt
+        transform = None if norm is None else (lambda b: b._replace(x=norm.apply(b.x, inplace=True)))
+        super().__init__(
+            functools.partial(HepReader, hep), batch_size, start, stop, transform=transform, shuffle=shuffle,
+            seed=seed, rank=rank, epochs=epochs, chunk=chunk_events, prefetch=prefetch,
+            drop_remainder=drop_remainder, thread_name=f"hep-prefetch-{hep.path.name}-r{rank}",
         )
-        if prefetch > 0:
-            self._queue: Optional[queue.Queue] = queue.Queue(maxsize=prefetch)
-            self._stream = None
-            self._thread: Optional[threading.Thread] = threading.Thread(
-                target=common.feed_queue,
-                args=(stream, self._queue, self._halt),
-                name=f"hep-prefetch-{hep.path.name}-r{rank}",
-                daemon=True,
-            )
-            self._thread.start()
-        else:
-            self._queue = None
-            self._thread = None
-            self._stream = stream
-
-    def _next_chunk(self):
-        if self._queue is None:
-            return next(self._stream, common.END)
-        while True:
-            try:
-                item = self._queue.get(timeout=0.1)
-            except queue.Empty:
-                if self._thread is not None and not self._thread.is_alive() and self._queue.empty():
-                    raise RuntimeError("HEP prefetch thread died without finishing") from None
-                continue
-            if isinstance(item, BaseException):
-                raise item
-            return item
-
-    def __iter__(self) -> "BatchIterator":
-        return self
-
-    def __next__(self) -> Batch:
-        if self._finished:
-            raise StopIteration
-        bs = self.batch_size
-        while True:
-            cur = self._current
-            if cur is not None and self._pos < len(cur.y):
-                take = min(bs - self._pending_n, len(cur.y) - self._pos)
-                self._pending.append(_slice(cur, self._pos, self._pos + take))
-                self._pending_n += take
-                self._pos += take
-                if self._pending_n == bs:
-                    return self._flush()
-                continue
-            try:
-                item = self._next_chunk()
-            except BaseException:
-                self.close()
-                raise
-            if item is common.END:
-                self.close()
-                raise StopIteration
-            epoch, chunk = item
-            self._current, self._pos = chunk, 0
-            if chunk is None:  # end of an epoch: the remainder is dropped or yielded short
-                if self._pending_n and not self.drop_remainder:
-                    return self._flush()
-                self._pending, self._pending_n = [], 0
-
-    def _flush(self) -> Batch:
-        batch = _concat(self._pending)
-        self._pending, self._pending_n = [], 0
-        return batch
-
-    def close(self) -> None:
-        """Stop the prefetch thread and release the file. Idempotent."""
-        self._finished = True
-        self._halt.set()
-        self._current = None
-        self._pending = []
-        if self._queue is not None:
-            common.drain_queue(self._queue)  # unblocks a producer waiting on a full queue
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=5.0)
-        if self._stream is not None:
-            self._stream.close()
-
-    def __enter__(self) -> "BatchIterator":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def iter_batches(
@@ -441,14 +244,7 @@ def iter_batches(
     also stops the thread.
     """
     hep = as_hep(path)
-    batch_size = check_chunk(batch_size, "batch_size")
-    chunk_events = check_chunk(chunk_events, "chunk_events")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, (int, np.integer)) or prefetch < 0:
-        raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
-    if epochs is not None and (
-        isinstance(epochs, bool) or not isinstance(epochs, (int, np.integer)) or epochs < 1
-    ):
-        raise ValueError(f"epochs must be None (forever) or a positive integer, got {epochs!r}")
+    batch_size, chunk_events = check_stream_args(batch_size, chunk_events, prefetch, epochs, "chunk_events")
     start, stop = shard_range(hep.n_events, rank, size)
     n = stop - start
     if epochs is None and (n == 0 or (drop_remainder and n < batch_size)):
