@@ -353,9 +353,32 @@ def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
             console.print(f"{name}: {path}")
 
 
+# -- workloads ------------------------------------------------------------------------------------
+@main.command()
+@click.option("--json", "as_json", is_flag=True)
+def workloads(as_json):
+    """List the installed workloads (the hpcdl.workloads entry points): where each comes from and
+    the fields of its [data] and [model] sections."""
+    from hpcdl.workloads import describe
+
+    rows = describe()
+    if as_json:
+        _emit_json(rows)
+        return
+    from rich.table import Table
+
+    table = Table("workload", "from", "\\[data] fields", "\\[model] fields")
+    for row in rows:
+        if "error" in row:
+            table.add_row(row["name"], row["source"], f"[red]{row['error']}[/red]", "")
+        else:
+            table.add_row(row["name"], row["source"], ", ".join(row["data"]), ", ".join(row["model"]))
+    console.print(table)
+
+
 # -- plan -----------------------------------------------------------------------------------------
 @main.command()
-@click.argument("workload", type=click.Choice(PLANNED_WORKLOADS))
+@click.argument("workload", metavar="JOB")
 @click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
 @click.option("--node-flops", type=FiniteFloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
@@ -370,10 +393,13 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
          max_applier_util, max_exchange_share, seed, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
-    assumption is printed."""
+    assumption is printed. JOB is hep, or a job file of any workload: its network's FLOPs and
+    size are then counted from the model it builds (from its data's shape)."""
     from hpcdl.display import paper_check_text, plan_view
     from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
+    if workload not in PLANNED_WORKLOADS and not workload.endswith(".toml"):
+        raise InputError(f"plan takes {', '.join(PLANNED_WORKLOADS)} or a job file (.toml), got {workload!r}")
     if inputs_spec and node_flops:
         raise InputError("give --inputs or --node-flops, not both")
     source = "--node-flops"
@@ -391,6 +417,8 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     try:
         inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(node_flops, source=source)
         inputs = with_job_exchange(inputs, workload, overrides, whole_section=not inputs_spec)
+        if workload not in PLANNED_WORKLOADS:
+            inputs = _with_job_network(inputs, workload)
         counts = [int(c) for c in group_counts.split(",")] if group_counts else None
         result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
@@ -402,6 +430,26 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     console.print(plan_view(result))
     if inputs_spec == "paper":
         console.print("\n" + paper_check_text(paper_check(seed=seed)))
+
+
+def _with_job_network(inputs, job_ref: str):
+    """The planner's inputs with the FLOPs per example and the size of the job's own network,
+    saying how they were counted (the model's own count, or TensorFlow's cost analysis)."""
+    from hpcdl.config import load_job
+    from hpcdl.workloads import get_workload
+
+    job = load_job(job_ref)
+    workload = get_workload(job.workload)
+    counted = getattr(workload, "network_cost_and_source", None)
+    if counted is not None:
+        flops, how, params = counted(job)
+    else:
+        (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
+    where = f"job {Path(job_ref).name}: the {job.workload} network at its data's shape"
+    return inputs.with_sourced({"flops_per_example": (float(flops), f"{where}, FLOPs by {how}"),
+                                "model_bytes": (float(params * 4), f"{where}, {params:,} fp32 parameters"),
+                                "batch_per_node": (job.train.batch_per_rank * job.run.ranks_per_node,
+                                                   f"job {Path(job_ref).name}: train.batch_per_rank × run.ranks_per_node")})
 
 
 # -- doctor / completion --------------------------------------------------------------------------

@@ -80,3 +80,24 @@ def get_workload(name: str) -> "Workload":
     if not isinstance(obj, Workload):
         raise JobError(f"{what} {reference!r} is a {type(obj).__name__}, not an hpcdl.workloads.base.Workload")
     return obj
+
+
+def describe() -> list[dict]:
+    """Each installed workload: name, source, reference, and its `[data]` and `[model]` fields,
+    or why it cannot be loaded (one line), for `hpcdl workloads`."""
+    import dataclasses
+
+    from hpcdl.errors import JobError
+
+    rows = []
+    for name, provider in providers().items():
+        row = {"name": name, "source": provider.source, "reference": provider.reference}
+        try:
+            workload = get_workload(name)
+        except JobError as exc:
+            row["error"] = str(exc)
+        else:
+            row["data"] = [f.name for f in dataclasses.fields(workload.DataConfig)]
+            row["model"] = [f.name for f in dataclasses.fields(workload.ModelConfig)]
+        rows.append(row)
+    return rows

@@ -1,0 +1,125 @@
+"""The generic Keras workload: a builder file next to a job file, trained and scored by hpcdl."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import h5py
+import numpy as np
+import pytest
+
+from hpcdl.config import load_job
+from hpcdl.errors import JobError
+from hpcdl.workloads import get_workload
+from hpcdl.workloads.keras.data import ArrayFile, iter_batches
+from tests.conftest import HPCDL
+
+
+def test_the_builder_file_is_found_beside_the_job_file(keras_job, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # not the job's directory
+    job = load_job(str(keras_job))
+    assert job.model.builder == f"{keras_job.parent / 'my_model.py'}:build"
+    assert job.model.args == {"units": 8}
+    assert load_job(str(keras_job), ["model.builder=\"mypkg.models:build\""]).model.builder == "mypkg.models:build"
+
+
+def test_a_model_of_any_input_shape_builds_with_stable_names_and_counted_flops(tmp_path):
+    builder = tmp_path / "seq.py"
+    builder.write_text(
+        "import keras\n"
+        "def build(input_shape):\n"
+        "    i = keras.Input(input_shape)\n"
+        "    x = keras.layers.Conv1D(4, 3, activation='relu')(i)\n"
+        "    x = keras.layers.BatchNormalization()(x)\n"
+        "    return keras.Model(i, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))\n")
+    workload = get_workload("keras")
+    config = workload.ModelConfig(builder=f"{builder}:build")
+    first = workload.build_model(config, (10, 2), seed=0)
+    second = workload.build_model(config, (10, 2), seed=0)
+    names = [n for n, _ in first.named_variables()]
+    assert names == [n for n, _ in second.named_variables()] == [
+        "0000_kernel", "0001_bias", "0002_gamma", "0003_beta", "0004_kernel", "0005_bias"]
+    flops, source = first.flops_and_source()
+    # the convolution's multiply-adds alone: 8 outputs × 3 taps × 2 in × 4 out, twice per FLOP
+    assert flops.forward >= 2 * 8 * 3 * 2 * 4 and flops.backward >= flops.forward
+    assert "cost analysis" in source
+    assert first(np.zeros((2, 10, 2), np.float32)).shape == (2, 1)
+
+
+def test_a_model_that_counts_itself_is_believed(tmp_path):
+    builder = tmp_path / "counted.py"
+    builder.write_text(
+        "import keras\n"
+        "class Counted(keras.Model):\n"
+        "    def flops(self):\n"
+        "        return 3000\n"
+        "def build(input_shape):\n"
+        "    i = keras.Input(input_shape)\n"
+        "    return Counted(i, keras.layers.Dense(2)(i))\n")
+    workload = get_workload("keras")
+    model = workload.build_model(workload.ModelConfig(builder=f"{builder}:build"), (4,), seed=0)
+    flops, source = model.flops_and_source()
+    assert flops.training == 3000 and source == "the model's own flops()"
+
+
+def test_the_reader_shards_and_normalises_per_channel(class_files):
+    data = get_workload("keras").DataConfig(train=str(class_files["train"]), classes=3, normalize=True)
+    arrays = ArrayFile.open(class_files["train"], data)
+    assert (arrays.n, arrays.input_shape, arrays.label_shape) == (1024, (6,), ())
+    from hpcdl.workloads.keras.data import channel_stats
+
+    stats = channel_stats(arrays, chunk=100)
+    seen = []
+    for rank in range(2):
+        with iter_batches(arrays, 64, stats=stats, classes=3, rank=rank, size=2, shuffle=False, epochs=1,
+                          chunk=100, drop_remainder=False) as batches:
+            for b in batches:
+                seen.append(b)
+    index = np.concatenate([b.index for b in seen])
+    assert sorted(index.tolist()) == list(range(1024))  # every example once, over both shards
+    x = np.concatenate([b.x for b in seen])
+    assert np.allclose(x.mean(axis=0), 0.0, atol=1e-4) and np.allclose(x.std(axis=0), 1.0, atol=1e-3)
+
+
+def test_it_trains_from_the_builder_file_and_evaluate_scores_it(keras_job, tmp_path):
+    runs = tmp_path / "runs"
+    proc = subprocess.run([HPCDL, "submit", str(keras_job), "--json"], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = next(p for p in runs.iterdir() if not p.name.startswith("."))
+    last = [json.loads(line) for line in (run_dir / "groups/0/metrics.jsonl").read_text().splitlines()][-1]
+    assert last["step"] == 20 and last["flops_per_s_group"] > 0
+    assert last["val_accuracy"] > 0.6  # three classes: chance is a third
+    out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads(out.stdout)
+    assert result["examples"] == 256 and result["accuracy"] > 0.6
+    assert np.sum(result["confusion_matrix"]) == 256
+    assert (run_dir / "eval" / "confusion.png").stat().st_size > 0
+    # the checkpoint is TensorFlow's: an index and data shards beside the manifest, nothing else
+    names = {p.name for p in (run_dir / "checkpoints/0").iterdir()}
+    assert "manifest.json" in names and any(n.endswith(".index") for n in names)
+    assert not any(n.endswith((".keras", ".pb", ".pkl", ".pickle")) for n in names)
+
+
+def test_regression_scores_mse_mae_and_r2(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 3)).astype(np.float32)
+    y = np.stack([x @ [1.0, -2.0, 0.5], x[:, 0]], axis=1).astype(np.float32)
+    with h5py.File(tmp_path / "r.h5", "w") as f:
+        f["inputs"], f["targets"] = x, y
+    (tmp_path / "lin.py").write_text(
+        "import keras\n"
+        "def build(input_shape):\n"
+        "    i = keras.Input(input_shape)\n"
+        "    return keras.Model(i, keras.layers.Dense(2, use_bias=False)(i))\n")
+    workload = get_workload("keras")
+    model = workload.build_model(workload.ModelConfig(builder=f"{tmp_path / 'lin.py'}:build"), (3,), seed=0)
+    model.named_variables()[0][1].assign(np.array([[1.0, 1.0], [-2.0, 0.0], [0.5, 0.0]], np.float32))
+    stats = {"task": "regression", "classes": 0, "inputs": "inputs", "labels": "targets", "weights": ""}
+    result = workload.evaluate(model, stats, tmp_path / "r.h5", tmp_path / "eval_out")
+    assert result["mse"] < 1e-10 and result["mae"] < 1e-5 and result["r2"] == pytest.approx(1.0)
+    assert (tmp_path / "eval_out" / "predicted_vs_true.png").is_file()
+    loss = workload.loss(model, (x[:8], y[:8], np.ones(8, np.float32)), training=False)
+    assert float(loss) < 1e-10
