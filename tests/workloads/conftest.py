@@ -1,4 +1,4 @@
-"""A tiny three-class problem: a builder file next to its job file, and the data they name."""
+"""Workload test data: a tiny three-class problem, a builder file next to its job file."""
 
 from __future__ import annotations
 
