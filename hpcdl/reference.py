@@ -97,6 +97,8 @@ def toml_value(value: Any) -> str:
     """A default as it is written in a job file."""
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # an inline table; tomli_w would write a [v] section
+        return "{" + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + "}"
     return tomli_w.dumps({"v": value}).strip().removeprefix("v = ")
 
 
