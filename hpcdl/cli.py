@@ -275,7 +275,7 @@ def logs(run, runs_dir, group, rank, applier, follow):
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
-@click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv.")
+@click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv; predictions (keras) as .npz.")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
 def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
     """Score a model. CHECKPOINT is a run directory or run id, a checkpoint directory or a

@@ -6,7 +6,8 @@ marker on the line before it: `<!-- doc-test: skip (why) -->` for what cannot ru
 install, `make test` itself, a site's own partition), or `<!-- doc-test: slurm -->` for a block
 that runs against the test cluster (tests/slurm/test_docs_on_slurm.py). A page that starts from
 a data set, rather than making one, says `<!-- doc-test: setup hep-data -->`: its directory
-then holds a tiny HEP set at data/hep/ before its first block.
+then holds a tiny HEP set at data/hep/ before its first block; `setup peaks-example` puts the
+worked example (examples/peaks, installed) at peaks/.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ BLOCK_TIMEOUT_S = 600
 # Links to pages that other work in flight writes; allowed only while the target does not exist,
 # and checked like any other link from the moment it does.
 PENDING_TARGETS = {
-    "docs/how-to/own-workload.md": "the Keras workload's tutorial (issue 25)",
     "bench/results/INDEX.md": "bench's results index (issue 23, item 6)",
 }
 
@@ -84,10 +84,13 @@ def write_hep_data(directory: Path) -> None:
 
 def prepare(directory: Path, page: Path) -> None:
     """What a page says it starts from."""
+    from tests.examples.conftest import copy_and_install_example
+
+    known = {"hep-data": write_hep_data, "peaks-example": copy_and_install_example}
     for setup in setups(page):
-        if setup != "hep-data":
+        if setup not in known:
             raise AssertionError(f"{page}: unknown doc-test setup {setup!r}")
-        write_hep_data(directory)
+        known[setup](directory)
 
 
 def run_block(block: Block, cwd: Path, env: dict[str, str], rewrite=lambda text: text) -> None:

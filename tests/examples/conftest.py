@@ -15,17 +15,21 @@ from tests.conftest import REPO
 EXAMPLE = REPO / "examples" / "peaks"
 
 
-@pytest.fixture(scope="session")
-def peaks_installed(tmp_path_factory) -> Path:
-    """The example's package installed (from a copy, so the source tree stays clean) unless it
-    already is; returns the copy, which holds its job file."""
-    copy = tmp_path_factory.mktemp("example") / "peaks"
-    shutil.copytree(EXAMPLE, copy)
+def copy_and_install_example(directory: Path) -> Path:
+    """examples/peaks copied to directory/peaks and installed from there (so the source tree
+    stays clean) unless its package already is; returns the copy, which holds its job file."""
+    copy = directory / "peaks"
+    shutil.copytree(EXAMPLE, copy, ignore=shutil.ignore_patterns("data", "runs", "build", "*.egg-info"))
     if importlib.util.find_spec("peaks") is None:
         proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
                                "--no-build-isolation", str(copy)], capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout + proc.stderr
     return copy
+
+
+@pytest.fixture(scope="session")
+def peaks_installed(tmp_path_factory) -> Path:
+    return copy_and_install_example(tmp_path_factory.mktemp("example"))
 
 
 @pytest.fixture(scope="session")

@@ -232,6 +232,9 @@ class KerasWorkload(Workload):
                  progress=None) -> dict[str, Any]:
         from hpcdl.workloads.keras import metrics
 
+        if scores_out is not None and scores_out.suffix.lower() != ".npz":
+            raise JobError("--scores-out: the keras workload writes its predictions as .npz (a prediction may "
+                           "be several values)")
         s = self.predict(model, stats, data, progress=progress)
         result = self._scores(stats, s)
         title = f"{Path(data).name}: {result['examples']} examples"
