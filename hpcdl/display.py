@@ -36,7 +36,7 @@ def validation_text(v: Mapping[str, Any] | None) -> str:
     """The newest validation's figure of merit, e.g. "AUC 0.912 @400"."""
     if not v:
         return "-"
-    for key, label in (("auc", "AUC"), ("map50", "mAP"), ("loss", "loss")):
+    for key, label in (("auc", "AUC"), ("map50", "mAP"), ("accuracy", "acc."), ("r2", "R²"), ("loss", "loss")):
         if v.get(key) is not None:
             return f"{label} {v[key]:.3f} @{v.get('step', '?')}"
     return "-"

@@ -1,5 +1,6 @@
 """The worked example end to end, as its tutorial runs it: two hybrid groups and the applier on
-this machine, then `hpcdl evaluate` scores the master weights."""
+this machine (two appliers sharing the model's variables), then `hpcdl evaluate` scores the
+master weights."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import subprocess
 
 from tests.conftest import HPCDL, set_args
 
-SHORT = ["train.steps=60", "train.validate_every=30", "train.checkpoint_every=30", "train.log_every=10"]
+# Two appliers: the byte-balanced partition over the user's model's variables, as for HEP's.
+SHORT = ["train.steps=60", "train.validate_every=30", "train.checkpoint_every=30", "train.log_every=10",
+         "exchange.shards=2"]
 
 
 def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_data, tmp_path):
@@ -25,8 +28,9 @@ def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_da
         assert state["state"] == "finished" and state["step"] == 60
     # it learns: R² on the validation subset, far better than predicting the mean (0)
     assert json.loads((run_dir / "groups/0/state.json").read_text())["val_r2"] > 0.3
-    applier = json.loads((run_dir / "exchange/applier/status.json").read_text())
-    assert applier["counts"]["applied"] > 0
+    for shard in (0, 1):
+        applier = json.loads((run_dir / f"exchange/shard-{shard}/applier/status.json").read_text())
+        assert applier["counts"]["applied"] > 0
     out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True,
                          timeout=300, cwd=peaks_data.parent)
     assert out.returncode == 0, out.stdout + out.stderr
