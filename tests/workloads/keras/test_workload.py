@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import h5py
@@ -10,7 +11,6 @@ import numpy as np
 import pytest
 
 from hpcdl.config import load_job
-from hpcdl.errors import JobError
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.keras.data import ArrayFile, iter_batches
 from tests.conftest import HPCDL
@@ -82,16 +82,25 @@ def test_the_reader_shards_and_normalises_per_channel(class_files):
     assert np.allclose(x.mean(axis=0), 0.0, atol=1e-4) and np.allclose(x.std(axis=0), 1.0, atol=1e-3)
 
 
-def test_it_trains_from_the_builder_file_and_evaluate_scores_it(keras_job, tmp_path):
+def test_it_trains_from_the_builder_file_resumes_and_evaluate_scores_it(keras_job, tmp_path):
     runs = tmp_path / "runs"
-    proc = subprocess.run([HPCDL, "submit", str(keras_job), "--json"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+    proc = subprocess.run([HPCDL, "submit", str(keras_job), "--json", "--set", "train.steps=10"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dir = next(p for p in runs.iterdir() if not p.name.startswith("."))
+    run_dir = runs / json.loads(proc.stdout)["run_id"]
+    # resume imports the builder the job names again: what is at that path now
+    builder = keras_job.parent / "my_model.py"
+    builder.write_text(builder.read_text() + "\nimport os\nopen(os.environ['IMPORTED_AT'], 'a').write('x')\n")
+    env = {**os.environ, "IMPORTED_AT": str(tmp_path / "imported")}
+    proc = subprocess.run([HPCDL, "resume", str(run_dir), "--set", "train.steps=20"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "imported").read_text()
     last = [json.loads(line) for line in (run_dir / "groups/0/metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 20 and last["flops_per_s_group"] > 0
     assert last["val_accuracy"] > 0.6  # three classes: chance is a third
-    out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     result = json.loads(out.stdout)
     assert result["examples"] == 256 and result["accuracy"] > 0.6
