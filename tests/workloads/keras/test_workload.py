@@ -127,6 +127,7 @@ def test_regression_scores_mse_mae_and_r2(tmp_path):
     model = workload.build_model(workload.ModelConfig(builder=f"{tmp_path / 'lin.py'}:build"), (3,), seed=0)
     model.named_variables()[0][1].assign(np.array([[1.0, 1.0], [-2.0, 0.0], [0.5, 0.0]], np.float32))
     stats = {"task": "regression", "classes": 0, "inputs": "inputs", "labels": "targets", "weights": ""}
+    (tmp_path / "eval_out").mkdir()  # hpcdl.evaluate makes it
     result = workload.evaluate(model, stats, tmp_path / "r.h5", tmp_path / "eval_out")
     assert result["mse"] < 1e-10 and result["mae"] < 1e-5 and result["r2"] == pytest.approx(1.0)
     assert (tmp_path / "eval_out" / "predicted_vs_true.png").is_file()
