@@ -38,6 +38,7 @@ SUITES = {
     "variants": "step_variants",
     "threads": "",  # one study of inter-op threads, run by hand with bench.probe (no module of its own)
     "climate": "climate_semisupervised",
+    "keras": "keras_parity",
 }
 
 
