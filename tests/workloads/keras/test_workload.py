@@ -133,3 +133,27 @@ def test_regression_scores_mse_mae_and_r2(tmp_path):
     assert (tmp_path / "eval_out" / "predicted_vs_true.png").is_file()
     loss = workload.loss(model, (x[:8], y[:8], np.ones(8, np.float32)), training=False)
     assert float(loss) < 1e-10
+
+
+def test_plan_counts_the_jobs_own_network_and_says_how(keras_job):
+    proc = subprocess.run([HPCDL, "plan", str(keras_job), "--nodes", "4", "--node-flops", "1e11", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    inputs = json.loads(proc.stdout)["inputs"]
+    # 6 -> 8 -> 3 dense: 83 parameters, and at least its multiply-adds forward and backward
+    assert inputs["model_bytes"] == 83 * 4 and inputs["flops_per_example"] >= 2 * (6 * 8 + 8 * 3) * 2
+    assert "TensorFlow's cost analysis" in inputs["sources"]["flops_per_example"]
+    assert inputs["batch_per_node"] == 32
+
+
+def test_mixed_bfloat16_computes_in_bfloat16_with_float32_weights_and_loss(keras_job):
+    job = load_job(str(keras_job))
+    workload = get_workload("keras")
+    model = workload.build_model(job.model, (6,), seed=0, compute_dtype="bfloat16")
+    assert model.keras.layers[-1].compute_dtype == "bfloat16"
+    assert all(v.dtype == "float32" for _, v in model.named_variables())
+    batch = (np.ones((4, 6), np.float32), np.array([0, 1, 2, 0], np.int32), np.ones(4, np.float32))
+    loss = workload.loss(model, batch, training=True)
+    assert loss.dtype == "float32" and np.isfinite(float(loss))
+    # the policy is the model's, not left behind for the next one
+    assert workload.build_model(job.model, (6,), seed=0).keras.layers[-1].compute_dtype == "float32"
