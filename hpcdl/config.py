@@ -417,6 +417,13 @@ def _apply_override(raw: dict[str, Any], key: str, text: str) -> None:
     raw.setdefault(section, {})
     if not isinstance(raw[section], dict):
         raise JobError(f"{section} is not a section")
+    field_name, dot, key_in_table = field_name.partition(".")
+    if dot:  # a key of a table field, e.g. model.args.units=64 (a Keras builder's argument)
+        table = raw[section].setdefault(field_name, {})
+        if not isinstance(table, dict) or not key_in_table:
+            raise JobError(f"--set {key}: {section}.{field_name} is not a table")
+        table[key_in_table] = CommandLineValue(text)
+        return
     raw[section][field_name] = CommandLineValue(text)
 
 
@@ -450,6 +457,10 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
     for key, value in values.items():
         if isinstance(value, CommandLineValue):
             value = value.for_type(hints[key])
+        elif isinstance(value, dict) and any(isinstance(v, CommandLineValue) for v in value.values()):
+            if typing.get_origin(hints[key]) is not dict:
+                raise JobError(f"{section}.{key} is not a table: --set {section}.{key}=VALUE sets it")
+            value = {k: v.for_type(Any) if isinstance(v, CommandLineValue) else v for k, v in value.items()}
         converted[key] = _coerce(f"{section}.{key}", hints[key], value)
     return cls(**converted)
 

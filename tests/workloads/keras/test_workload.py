@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hpcdl.config import load_job
+from hpcdl.errors import JobError
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.keras.data import ArrayFile, iter_batches
 from tests.conftest import HPCDL
@@ -22,6 +23,11 @@ def test_the_builder_file_is_found_beside_the_job_file(keras_job, tmp_path, monk
     assert job.model.builder == f"{keras_job.parent / 'my_model.py'}:build"
     assert job.model.args == {"units": 8}
     assert load_job(str(keras_job), ["model.builder=\"mypkg.models:build\""]).model.builder == "mypkg.models:build"
+    # a builder's argument on the command line, as for any other field
+    assert load_job(str(keras_job), ["model.args.units=16", 'model.args.name="wide"']).model.args == {
+        "units": 16, "name": "wide"}
+    with pytest.raises(JobError, match="train.steps is not a table"):
+        load_job(str(keras_job), ["train.steps.x=1"])
 
 
 def test_a_model_of_any_input_shape_builds_with_stable_names_and_counted_flops(tmp_path):
