@@ -180,15 +180,10 @@ class ExchangeConfig:
         return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
 
     def applier_learning_rate(self, train_learning_rate: float, groups: int) -> float:
-        """The applier's rate: the job's, or by default what the hybrid race found (README):
-        gradients at the groups' rate / √G (G stale small-batch steps stand for one synchronous
-        step of G times the batch); deltas averaged in at twice their mean (outer SGD at 2/G), or
-        DiLoCo's outer Nesterov rate 0.7; an adaptive outer rule (adam) at the groups' rate."""
-        if self.learning_rate:
-            return self.learning_rate
-        if self.kind == "gradient":
-            return train_learning_rate / max(1, groups) ** 0.5
-        return {"nesterov": 0.7, "sgd": 2.0 / max(1, groups)}.get(self.optimizer, train_learning_rate)
+        """The applier's rate: the job's, or the update rule's default for this kind and groups."""
+        from hpcdl.applier.rules import UPDATE_RULES
+
+        return self.learning_rate or UPDATE_RULES[self.optimizer].default_rate(self.kind, train_learning_rate, groups)
 
     @property
     def shard_count(self) -> int:

@@ -149,7 +149,9 @@ def test_status_of_a_failed_group_names_its_logs_and_the_reason(hep_files, tmp_p
     (group,) = status["groups"]
     assert group["state"] == "failed", status
     assert group["logs"] == [str(run_dir / "groups/0/rank0.log")]
-    assert "train.h5" in group["last_error"] and "Error" in group["last_error"], group["last_error"]
+    # a user error: one line naming the file, no traceback
+    assert group["last_error"].startswith("hpcdl rank: error: ") and "train.h5" in group["last_error"], group["last_error"]
+    assert "Traceback" not in (run_dir / "groups/0/rank0.log").read_text()
     text = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
     assert "group 0 failed" in text and "rank0.log" in text and "train.h5" in text
     rank_log = hpcdl("logs", str(run_dir), "--group", "0", "--rank", "0", cwd=tmp_path).stdout
