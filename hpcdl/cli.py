@@ -14,7 +14,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from hpcdl import __version__
-from hpcdl.config import BACKEND_CHOICES
+from hpcdl.schedulers import BACKEND_CHOICES
 from hpcdl.perf import PLANNED_WORKLOADS
 from hpcdl.workloads import names as workload_names
 

@@ -38,6 +38,9 @@ from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 
 Arrays = dict[str, np.ndarray]
 
+# What the applier does with an update staler than exchange.max_staleness (server.py)
+STALE_POLICIES = ("drop", "downweight")
+
 
 @dataclass(frozen=True)
 class RuleParams:

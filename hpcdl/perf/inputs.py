@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from hpcdl.config import DELTA_DTYPES, EXCHANGE_KINDS
+from hpcdl.exchange import DELTA_DTYPES, EXCHANGE_KINDS
 from hpcdl.files import read_regular
 from hpcdl.perf.model import hep_network
 
