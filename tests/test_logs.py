@@ -15,7 +15,7 @@ import pytest
 from hpcdl.config import load_job
 from hpcdl.logs import last_error, select
 from hpcdl.runs import RunError, create_run
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import HPCDL, hpcdl, set_args, tiny_overrides
 
 TRACEBACK = """hpcdl rank 0: intra-op 1, inter-op 1
 Traceback (most recent call last):
@@ -86,11 +86,6 @@ def test_last_error_is_the_traceback_s_last_line(tmp_path):
     assert last_error([slurm]).startswith("hpcdl: error: group 0 checkpointed, not requeueing")
 
 
-def hpcdl(*args, cwd, check=True):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
