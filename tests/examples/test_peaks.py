@@ -6,23 +6,19 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 
-from tests.conftest import HPCDL, set_args
+from tests.conftest import hpcdl, set_args
 
 # Two appliers: the byte-balanced partition over the user's model's variables, as for HEP's.
 SHORT = ["train.steps=60", "train.validate_every=30", "train.checkpoint_every=30", "train.log_every=10",
          "exchange.shards=2"]
 
 
-def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_data, tmp_path):
+def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_data):
     job = peaks_data.parent / "job.toml"
-    runs = tmp_path / "runs"
-    proc = subprocess.run([HPCDL, "submit", str(job), "--backend", "local", "--json",
-                           *set_args([*SHORT, f'run.runs_dir="{runs}"'])],
-                          capture_output=True, text=True, timeout=400, cwd=peaks_data.parent)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_dir = runs / json.loads(proc.stdout)["run_id"]
+    here = peaks_data.parent  # the job's data paths are relative to where it is submitted from
+    proc = hpcdl("submit", str(job), "--backend", "local", "--json", *set_args(SHORT), cwd=here)
+    run_dir = here / "runs" / json.loads(proc.stdout)["run_id"]
     for group in (0, 1):
         state = json.loads((run_dir / f"groups/{group}/state.json").read_text())
         assert state["state"] == "finished" and state["step"] == 60
@@ -31,10 +27,7 @@ def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_da
     for shard in (0, 1):
         applier = json.loads((run_dir / f"exchange/shard-{shard}/applier/status.json").read_text())
         assert applier["counts"]["applied"] > 0
-    out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True,
-                         timeout=300, cwd=peaks_data.parent)
-    assert out.returncode == 0, out.stdout + out.stderr
-    result = json.loads(out.stdout)
+    result = json.loads(hpcdl("evaluate", str(run_dir), "--json", cwd=here).stdout)
     assert result["model"].startswith("master weights v")
     assert result["examples"] == 150
     assert all(math.isfinite(result[k]) for k in ("mse", "mae", "r2")) and result["mse"] == result["loss"]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import set_args
+from tests.conftest import hpcdl, set_args
 from tests.examples.conftest import peaks_data, peaks_installed  # noqa: F401
-from tests.slurm.test_hpcdl_slurm import LOCAL_CLUSTER, hpcdl, no_jobs_left, wait_status  # noqa: F401
+from tests.slurm.test_hpcdl_slurm import LOCAL_CLUSTER, no_jobs_left, wait_status  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import h5py
 import numpy as np
@@ -14,7 +13,7 @@ from hpcdl.config import load_job
 from hpcdl.errors import JobError
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.keras.data import ArrayFile, iter_batches
-from tests.conftest import HPCDL
+from tests.conftest import hpcdl
 
 
 def test_the_builder_file_is_found_beside_the_job_file(keras_job, tmp_path, monkeypatch):
@@ -90,25 +89,18 @@ def test_the_reader_shards_and_normalises_per_channel(class_files):
 
 def test_it_trains_from_the_builder_file_resumes_and_evaluate_scores_it(keras_job, tmp_path):
     runs = tmp_path / "runs"
-    proc = subprocess.run([HPCDL, "submit", str(keras_job), "--json", "--set", "train.steps=10"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = hpcdl("submit", str(keras_job), "--json", "--set", "train.steps=10", cwd=tmp_path)
     run_dir = runs / json.loads(proc.stdout)["run_id"]
     # resume imports the builder the job names again: what is at that path now
     builder = keras_job.parent / "my_model.py"
     builder.write_text(builder.read_text() + "\nimport os\nopen(os.environ['IMPORTED_AT'], 'a').write('x')\n")
     env = {**os.environ, "IMPORTED_AT": str(tmp_path / "imported")}
-    proc = subprocess.run([HPCDL, "resume", str(run_dir), "--set", "train.steps=20"], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hpcdl("resume", str(run_dir), "--set", "train.steps=20", cwd=tmp_path, env=env)
     assert (tmp_path / "imported").read_text()
     last = [json.loads(line) for line in (run_dir / "groups/0/metrics.jsonl").read_text().splitlines()][-1]
     assert last["step"] == 20 and last["flops_per_s_group"] > 0
     assert last["val_accuracy"] > 0.6  # three classes: chance is a third
-    out = subprocess.run([HPCDL, "evaluate", str(run_dir), "--json"], capture_output=True, text=True, timeout=300,
-                         env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
-    result = json.loads(out.stdout)
+    result = json.loads(hpcdl("evaluate", str(run_dir), "--json", cwd=tmp_path, env=env).stdout)
     assert result["examples"] == 256 and result["accuracy"] > 0.6
     assert np.sum(result["confusion_matrix"]) == 256
     assert (run_dir / "eval" / "confusion.png").stat().st_size > 0
@@ -142,9 +134,7 @@ def test_regression_scores_mse_mae_and_r2(tmp_path):
 
 
 def test_plan_counts_the_jobs_own_network_and_says_how(keras_job):
-    proc = subprocess.run([HPCDL, "plan", str(keras_job), "--nodes", "4", "--node-flops", "1e11", "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+    proc = hpcdl("plan", str(keras_job), "--nodes", "4", "--node-flops", "1e11", "--json", cwd=keras_job.parent)
     inputs = json.loads(proc.stdout)["inputs"]
     # 6 -> 8 -> 3 dense: 83 parameters, and at least its multiply-adds forward and backward
     assert inputs["model_bytes"] == 83 * 4 and inputs["flops_per_example"] >= 2 * (6 * 8 + 8 * 3) * 2
