@@ -16,6 +16,14 @@ from hpcdl.workloads.keras.data import ArrayFile, iter_batches
 from tests.conftest import hpcdl
 
 
+def built(tmp_path, source: str, input_shape: tuple[int, ...], **options):
+    """The keras workload's model from a builder file of `source`."""
+    (tmp_path / "builder.py").write_text(source)
+    workload = get_workload("keras")
+    return workload.build_model(workload.ModelConfig(builder=f"{tmp_path / 'builder.py'}:build"), input_shape,
+                                seed=0, **options)
+
+
 def test_the_builder_file_is_found_beside_the_job_file(keras_job, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the job's directory
     job = load_job(str(keras_job))
@@ -30,18 +38,13 @@ def test_the_builder_file_is_found_beside_the_job_file(keras_job, tmp_path, monk
 
 
 def test_a_model_of_any_input_shape_builds_with_stable_names_and_counted_flops(tmp_path):
-    builder = tmp_path / "seq.py"
-    builder.write_text(
-        "import keras\n"
-        "def build(input_shape):\n"
-        "    i = keras.Input(input_shape)\n"
-        "    x = keras.layers.Conv1D(4, 3, activation='relu')(i)\n"
-        "    x = keras.layers.BatchNormalization()(x)\n"
-        "    return keras.Model(i, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))\n")
-    workload = get_workload("keras")
-    config = workload.ModelConfig(builder=f"{builder}:build")
-    first = workload.build_model(config, (10, 2), seed=0)
-    second = workload.build_model(config, (10, 2), seed=0)
+    source = ("import keras\n"
+              "def build(input_shape):\n"
+              "    i = keras.Input(input_shape)\n"
+              "    x = keras.layers.Conv1D(4, 3, activation='relu')(i)\n"
+              "    x = keras.layers.BatchNormalization()(x)\n"
+              "    return keras.Model(i, keras.layers.Dense(1)(keras.layers.GlobalAveragePooling1D()(x)))\n")
+    first, second = built(tmp_path, source, (10, 2)), built(tmp_path, source, (10, 2))
     names = [n for n, _ in first.named_variables()]
     assert names == [n for n, _ in second.named_variables()] == [
         "0000_kernel", "0001_bias", "0002_gamma", "0003_beta", "0004_kernel", "0005_bias"]
@@ -53,17 +56,13 @@ def test_a_model_of_any_input_shape_builds_with_stable_names_and_counted_flops(t
 
 
 def test_a_model_that_counts_itself_is_believed(tmp_path):
-    builder = tmp_path / "counted.py"
-    builder.write_text(
-        "import keras\n"
-        "class Counted(keras.Model):\n"
-        "    def flops(self):\n"
-        "        return 3000\n"
-        "def build(input_shape):\n"
-        "    i = keras.Input(input_shape)\n"
-        "    return Counted(i, keras.layers.Dense(2)(i))\n")
-    workload = get_workload("keras")
-    model = workload.build_model(workload.ModelConfig(builder=f"{builder}:build"), (4,), seed=0)
+    model = built(tmp_path, "import keras\n"
+                            "class Counted(keras.Model):\n"
+                            "    def flops(self):\n"
+                            "        return 3000\n"
+                            "def build(input_shape):\n"
+                            "    i = keras.Input(input_shape)\n"
+                            "    return Counted(i, keras.layers.Dense(2)(i))\n", (4,))
     flops, source = model.flops_and_source()
     assert flops.training == 3000 and source == "the model's own flops()"
 
@@ -116,13 +115,11 @@ def test_regression_scores_mse_mae_and_r2(tmp_path):
     y = np.stack([x @ [1.0, -2.0, 0.5], x[:, 0]], axis=1).astype(np.float32)
     with h5py.File(tmp_path / "r.h5", "w") as f:
         f["inputs"], f["targets"] = x, y
-    (tmp_path / "lin.py").write_text(
-        "import keras\n"
-        "def build(input_shape):\n"
-        "    i = keras.Input(input_shape)\n"
-        "    return keras.Model(i, keras.layers.Dense(2, use_bias=False)(i))\n")
     workload = get_workload("keras")
-    model = workload.build_model(workload.ModelConfig(builder=f"{tmp_path / 'lin.py'}:build"), (3,), seed=0)
+    model = built(tmp_path, "import keras\n"
+                            "def build(input_shape):\n"
+                            "    i = keras.Input(input_shape)\n"
+                            "    return keras.Model(i, keras.layers.Dense(2, use_bias=False)(i))\n", (3,))
     model.named_variables()[0][1].assign(np.array([[1.0, 1.0], [-2.0, 0.0], [0.5, 0.0]], np.float32))
     stats = {"task": "regression", "classes": 0, "inputs": "inputs", "labels": "targets", "weights": ""}
     (tmp_path / "eval_out").mkdir()  # hpcdl.evaluate makes it
