@@ -35,7 +35,9 @@ from hpcdl.engine.flops import FlopCount
 
 
 class Model(ABC):
-    """The interface a workload's `tf.Module` model offers the engine."""
+    """The interface a workload's `tf.Module` model offers the engine. A `keras.Model` becomes one
+    wrapped in :class:`hpcdl.workloads.keras.model.KerasModel` (stable variable names, FLOPs by
+    TensorFlow's cost analysis unless it counts its own)."""
 
     @abstractmethod
     def flops(self) -> FlopCount:
