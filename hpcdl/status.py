@@ -76,13 +76,17 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
         "nodes": job.run.nodes,
     }
+    state = _run_state([g["state"] for g in groups])
+    if applier is not None and state != State.RUNNING and any(
+            row.get("phase") == "failed" for row in applier.get("shards") or [applier]):
+        state = State.FAILED  # the groups ended, but the master did not come through
     return {
         "run_id": run.run_id,
         "run_dir": str(run.root),
         "workload": job.workload,
         "backend": info["backend"],
         "created": info.get("created"),
-        "state": _run_state([g["state"] for g in groups]),
+        "state": state,
         "note": backend_view.get("note", ""),
         # Emulated stragglers and failures are for experiments: said on every view of the run.
         "emulated": dataclasses.asdict(job.emulate) if job.emulate.enabled else None,
@@ -221,6 +225,8 @@ def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "groups": raw.get("groups", {}),
         "host": raw.get("host"),
         "cpu_per_update_s": raw.get("cpu_per_update_s"),
+        "error": raw.get("error"),  # why it ended failed: no usable durable state
+        "recovered": raw.get("recovered"),  # how it came back from a damaged state
     }
 
 

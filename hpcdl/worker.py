@@ -7,7 +7,8 @@
   SIGUSR2, to any of these processes, writes its threads' stacks to its log.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished (or the local supervisor saw every group end) and nothing is left to apply,
-  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle). With
+  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle); with no usable durable
+  state (hpcdl.applier.state.StateLost) it says why in one line and exits EXIT_USER_ERROR. With
   `--slurm-array` it also ends, after the backlog, once SLURM holds no element of the group array
   (a cancelled or failed group never reports "finished").
 
@@ -111,7 +112,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     warn, at any time)."""
     import logging
 
-    from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig
+    from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig, StateLost
     from hpcdl.exchange.group import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -128,6 +129,9 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except ValueError as exc:  # StateLost, a state of another update rule: no restart mends it
+        print(f"hpcdl applier: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     requeue = {"asked": False}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
@@ -142,7 +146,11 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         return over and channel.backlog() == 0
 
     with applier:
-        applier.run(stop=done)
+        try:
+            applier.run(stop=done)
+        except StateLost as exc:  # lost while reloading after an I/O error
+            print(f"hpcdl applier: error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
     return EXIT_REQUEUE if requeue["asked"] else EXIT_OK
 
 

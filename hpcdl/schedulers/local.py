@@ -170,7 +170,7 @@ class Supervisor:
         })
 
     def run_until_done(self, on_tick: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
-        """Run everything to the end; True if every group finished."""
+        """Run everything to the end; True if every group finished and no applier failed."""
         if self.appliers is not None:
             self.appliers.begin()
         try:
@@ -184,7 +184,8 @@ class Supervisor:
             self.shutdown(interval)
         if on_tick:
             on_tick()
-        return all(life.state == State.FINISHED for life in self.groups.values())
+        applier_failed = self.appliers is not None and self.appliers.failed
+        return all(life.state == State.FINISHED for life in self.groups.values()) and not applier_failed
 
     def _drain_applier(self, interval: float) -> None:
         """Every group has ended: the applier applies what is pending and ends by itself (see
