@@ -112,7 +112,8 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
     return {
         "group": g,
         "state": group_state,
-        "step": last.get("step", 0),
+        # the final state is written until it holds (metrics lines may be lost to a full disk)
+        "step": max(last.get("step", 0), _count(state.get("step"))),
         "steps": job.train.steps,
         "loss": last.get("loss"),
         "images_per_s": last.get("images_per_s"),

@@ -36,9 +36,11 @@ from hpcdl.errors import JobError
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.storage import FinalSaveFailed
 from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
+ENDED_FULL_DISK_GRACE_S = 30.0  # every group ended: how long the applier retries a full disk
 
 
 def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
@@ -140,10 +142,20 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         requeue["asked"] = early_signal() == signal.SIGUSR1
         applier.request_stop()
 
+    failing_since: list[float] = []
+
     def done() -> bool:
         over = (groups_finished(run, job.run.groups) or run.groups_ended_mark.exists()
                 or (array_gone is not None and array_gone()))
-        return over and channel.backlog() == 0
+        if not over or channel.backlog() == 0:
+            return over
+        # Every group has ended: what a full disk keeps from being committed for longer than
+        # the grace stays pending (a resume applies it); the run does not wait for space.
+        if applier.healthy:
+            failing_since.clear()
+            return False
+        failing_since[:1] = failing_since[:1] or [time.monotonic()]
+        return time.monotonic() - failing_since[0] > ENDED_FULL_DISK_GRACE_S
 
     with applier:
         try:
@@ -178,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
         _mark_input_error(argv, str(exc))
         return EXIT_USER_ERROR
+    except FinalSaveFailed as exc:  # a full disk at the end: a restart resumes from the newest checkpoint
+        print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 def _mark_input_error(argv: list[str] | None, text: str) -> None:

@@ -506,3 +506,56 @@ def test_a_damaged_applier_state_is_recovered_then_a_lost_one_fails_the_run(hep_
             submit.kill()
         if run_dir is not None:
             stop_leftovers(run_dir)
+
+
+def test_a_full_disk_across_the_end_of_training_loses_nothing(hep_files, tmp_path, tiny_runs_fs):
+    """The runs directory fills just before the last step and has room again a few seconds
+    later: each group's final checkpoint, held updates and state are written once there is
+    room, nothing is dropped, status shows the real steps, and the run ends at once."""
+    import subprocess
+
+    from hpcdl.runs import read_jsonl
+    from hpcdl.storage import recorded_checkpoint
+    from tests.conftest import HPCDL
+    from tests.helpers.full_disk import fill
+
+    runs, steps = tiny_runs_fs, 300
+    (runs / "filler").touch()  # its inode exists before the disk fills up
+    submit = subprocess.Popen([HPCDL, "submit", "hep", "--json", "--nodes", "2", "--group-size", "1",
+                               *set_args(tiny_overrides(hep_files, runs, steps=steps)
+                                         + ["exchange.reply_timeout_s=2", "train.validate_every=0"])],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = None
+    try:
+        run_dir = wait_for(lambda: next(iter(runs.glob("hep-*/scheduler/local.json")), None), 120, "the run").parent.parent
+
+        def step(g):
+            return max((m.get("step", 0) for m in read_jsonl(run_dir / "groups" / str(g) / "metrics.jsonl")), default=0)
+
+        wait_for(lambda: min(step(0), step(1)) >= steps - 15, 180, "the last steps", poll=0.05)
+        filler = fill(runs)
+        time.sleep(4)
+        filler.unlink()
+        out, err = submit.communicate(timeout=120)
+        ended = time.time()
+        assert submit.returncode == 0, out + err
+        status = status_json(run_dir, tmp_path)
+        assert [(g["state"], g["step"]) for g in status["groups"]] == [("finished", steps)] * 2
+        published, last_end = 0, 0.0
+        for g in range(2):
+            state = run_dir / "groups" / str(g) / "state.json"
+            assert recorded_checkpoint(run_dir / "checkpoints" / str(g)) == f"ckpt-{steps}"
+            final = json.loads(state.read_text())
+            assert final["exchange_unpublished"] == 0 and final["exchange_unpublished_dropped"] == 0
+            assert final["exchange_backlog_dropped"] == 0
+            published += final["exchange_published"]
+            last_end = max(last_end, state.stat().st_mtime)
+        assert ended - last_end < 90, "the run ends once its groups have (not after the applier's drain bound)"
+        applier = status["applier"]
+        assert applier["backlog"] == 0 and applier["applied"] + applier["dropped"] == published
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        if run_dir is not None:
+            stop_leftovers(run_dir)
+

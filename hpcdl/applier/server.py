@@ -97,6 +97,11 @@ class Applier:
         self.close()
 
     @property
+    def healthy(self) -> bool:
+        """False while the durable state is to be reloaded (after an I/O error: a full disk)."""
+        return self._healthy
+
+    @property
     def counts(self) -> dict[str, int]:
         return dict(self.state.counters)
 
