@@ -12,6 +12,10 @@ full disk shows even when nothing could be written about it.
 FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *sustained* the
 work of the whole run divided by its wall time (data loading, checkpoints and exchange included);
 the totals add the groups' rates.
+
+A group's ``published`` counts its updates over the run's life, every restart and resume
+included (its exchange sequence numbers run on), so it compares with the applier's counts:
+published = applied + dropped + backlog, plus any the channel's backlog bound deleted.
 """
 
 from __future__ import annotations
@@ -125,7 +129,8 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
         "last_report_age_s": now - last["time"] if "time" in last else None,
         "exchange_age_s": max(0.0, until - last["exchange_last_s"]) if last.get("exchange_last_s") else None,
         "exchange_version": last.get("exchange_version"),
-        "published": last.get("exchange_published"),
+        # over the run's life, every restart and resume included (the group's next sequence number)
+        "published": (state if _count(state.get("step")) >= _count(last.get("step")) else last).get("exchange_published"),
         "adopted": last.get("exchange_adopted"),
         "unpublished": last.get("exchange_unpublished"),
         # The group's life counts restarts after failures; under SLURM it also records SLURM's own

@@ -177,6 +177,11 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         _assign(variables, names, start)
     # Every rank starts from rank 0's weights, whatever each built or restored.
     hvd.broadcast_variables(variables, root_rank=0)
+    if rank == 0 and manager.latest_checkpoint:
+        version = sync.stats().get("exchange_version") if sync is not None else None
+        print(f"hpcdl group {group}: resumed from checkpoint {resumed_from}" + (
+            "" if version is None else f", master version {version}" if version >= 0
+            else ", no master version yet (its own weights)"), flush=True)
 
     recorder = None
     if rank == 0:

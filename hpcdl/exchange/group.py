@@ -337,7 +337,9 @@ class ExchangeSync:
             "exchange_kind": self.kind,
             "exchange_version": self.version,
             **({"exchange_shard_versions": list(self.versions)} if len(self.channels) > 1 else {}),
-            "exchange_published": self.published,
+            # over the run's life: sequence numbers run on across restarts and resumes
+            "exchange_published": self.seq,
+            "exchange_published_here": self.published,  # by this process, since the rank started
             "exchange_adopted": self.adopted,
             "exchange_seconds": self.seconds,
             "exchange_last_s": self.last_exchange,
