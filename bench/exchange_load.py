@@ -656,7 +656,7 @@ def planner_advice(fit: dict, bd: dict, groups: int, max_pending: int | None) ->
                   applier_bytes_per_s=n / apply_s,
                   applier_max_batch=m, max_pending_per_group=max_pending or 0, max_staleness=-1)
     inputs = PlanInputs.measured_here(1.90e12, batch_per_node=8, exchange_every=1).with_values(
-        "bench/exchange_load.py --breakdown on this machine", **values)
+        "python -m bench.exchange_load --breakdown on this machine", **values)
     advice = recommend_shards(inputs, nodes=groups, groups=groups)
     return {"inputs": values, "advice": advice.to_dict()}
 

@@ -14,7 +14,7 @@ from click.core import ParameterSource
 from rich.console import Console
 
 from hpcdl import __version__
-from hpcdl.config import BACKEND_CHOICES
+from hpcdl.schedulers import BACKEND_CHOICES
 from hpcdl.perf import PLANNED_WORKLOADS
 from hpcdl.workloads import names as workload_names
 
@@ -325,7 +325,7 @@ def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
     RPV-SUSY layout for hep, the ExtremeWeather layout for climate."""
     from hpcdl.display import counting_progress
     from hpcdl.workloads import get_workload
-    from hpcdl.workloads.common import SPLITS
+    from hpcdl.workloads.common import split_paths
 
     w = get_workload(workload)
     count = given.pop(w.generate_count)
@@ -335,7 +335,7 @@ def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
         if name not in w.generate_options and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
             raise InputError(f"--{name.replace('_', '-')} is not an option of {workload}")
     options = {k: v for k, v in given.items() if k in w.generate_options}
-    present = [p.name for p in (out_dir / f"{split}.h5" for split in SPLITS) if p.exists()]
+    present = [p.name for p in split_paths(out_dir).values() if p.exists()]
     if present and not force:
         raise InputError(f"{out_dir} already holds {', '.join(present)}: give --force to replace the set")
     progress, task = counting_progress(err, f"generating {w.generate_count}", count)

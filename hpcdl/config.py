@@ -22,16 +22,16 @@ import tomli_w
 
 from hpcdl.engine import CONV_WEIGHT_GRADS, TRAIN_OPTIMIZERS
 from hpcdl.errors import JobError
+from hpcdl.exchange import DELTA_DTYPES, EXCHANGE_KINDS
 from hpcdl.files import read_regular
 from hpcdl.launch import CONTROLLERS
 from hpcdl.resources import shipped_dir
-from hpcdl.schedulers import SCHEDULERS
+from hpcdl.schedulers import BACKEND_CHOICES
 
 JOBS_DIR = shipped_dir("jobs")
 
 
 MAX_SHARDS = 256  # appliers of one run; far beyond where one file per shard per exchange pays
-BACKEND_CHOICES = ("auto", *SCHEDULERS)  # auto: SLURM where it answers, else this machine
 
 
 def check_plain_text(name: str, value: str) -> None:
@@ -117,9 +117,6 @@ class TrainConfig:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
 
-EXCHANGE_KINDS = ("gradient", "delta")
-STALE_POLICIES = ("drop", "downweight")
-DELTA_DTYPES = ("float32", "float16")
 
 
 @dataclass(frozen=True)
@@ -151,7 +148,7 @@ class ExchangeConfig:
 
     def validate(self) -> None:
         check_plain_text("exchange.directory", self.directory)
-        from hpcdl.applier.rules import UPDATE_RULES
+        from hpcdl.applier.rules import STALE_POLICIES, UPDATE_RULES
 
         if self.enabled not in ("auto", "on", "off"):
             raise JobError(f"exchange.enabled must be auto, on or off, got {self.enabled!r}")
@@ -184,15 +181,10 @@ class ExchangeConfig:
         return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
 
     def applier_learning_rate(self, train_learning_rate: float, groups: int) -> float:
-        """The applier's rate: the job's, or by default what the hybrid race found (README):
-        gradients at the groups' rate / √G (G stale small-batch steps stand for one synchronous
-        step of G times the batch); deltas averaged in at twice their mean (outer SGD at 2/G), or
-        DiLoCo's outer Nesterov rate 0.7; an adaptive outer rule (adam) at the groups' rate."""
-        if self.learning_rate:
-            return self.learning_rate
-        if self.kind == "gradient":
-            return train_learning_rate / max(1, groups) ** 0.5
-        return {"nesterov": 0.7, "sgd": 2.0 / max(1, groups)}.get(self.optimizer, train_learning_rate)
+        """The applier's rate: the job's, or the update rule's default for this kind and groups."""
+        from hpcdl.applier.rules import UPDATE_RULES
+
+        return self.learning_rate or UPDATE_RULES[self.optimizer].default_rate(self.kind, train_learning_rate, groups)
 
     @property
     def shard_count(self) -> int:

@@ -10,6 +10,8 @@
 * :func:`append_lines`: whole lines at the end of a file opened with ``O_APPEND``; a line torn by
   an earlier crash is terminated first, and a write that fails is cut off again, so the file
   stays a sequence of whole lines.
+* :func:`append_jsonl` and :func:`read_jsonl`: JSON lines (metrics, the applier's events) on top
+  of those two: one object a line, a torn or garbled line skipped when read.
 * :func:`read_regular`: the bytes of a file hpcdl reads whole (job files, JSON records, planner
   inputs), refused unless it is a regular file of bounded size: a symlink to ``/dev/zero`` or a
   FIFO must not fill the memory or hang a command.
@@ -21,12 +23,13 @@ the umask; :func:`atomic_path` without one follows the umask, like ``open(path, 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable, Iterator
 
 from hpcdl.access import Access
 
@@ -170,3 +173,35 @@ def read_regular(path: str | os.PathLike[str], max_bytes: int = MAX_RECORD_BYTES
             raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes", str(path))
         data = data[-max_bytes:]
     return data
+
+
+def append_jsonl(path: str | os.PathLike[str], *records: dict[str, Any], access: Access | None = None,
+                 fsync: bool = False) -> int:
+    """Append ``records``, one JSON object a line, in one :func:`append_lines` (created with
+    ``access``, by default its directory's policy); returns the file's size after it."""
+    path = Path(path)
+    data = b"".join(json.dumps(r, sort_keys=True, separators=(",", ":")).encode() + b"\n" for r in records)
+    return append_lines(path, data, access=access or Access.of_directory(path.parent), fsync=fsync)
+
+
+# metrics.jsonl of a run of days is a few MB; beyond this its newest lines are read
+MAX_JSONL_BYTES = 64 << 20
+
+
+def read_jsonl(path: str | os.PathLike[str], max_bytes: int = MAX_JSONL_BYTES) -> list[dict[str, Any]]:
+    """Every complete object line of the newest ``max_bytes``; a torn last line (a writer killed
+    mid-write), a first line cut by that bound or a garbled one is skipped; a missing file, a
+    directory or anything but a regular file has none."""
+    try:
+        text = read_regular(path, max_bytes, tail=True).decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

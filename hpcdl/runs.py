@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from hpcdl.config import Job, job_from_dict
 from hpcdl.errors import JobError
-from hpcdl.files import append_lines, atomic_write_bytes, read_regular
+from hpcdl.files import append_jsonl, atomic_write_bytes, read_jsonl, read_regular  # noqa: F401 (append_jsonl, read_jsonl: importers move to hpcdl.files)
 from hpcdl.access import Access, AccessError, access_for_job
 from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
 from hpcdl.storage import REPORT_FILE, StorageReport
@@ -479,33 +479,3 @@ def _existing_ancestor(path: Path) -> Path:
     while not path.exists() and path.parent != path:
         path = path.parent
     return path
-
-
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    """One line per write (:func:`hpcdl.files.append_lines`), created owner-only (or group-only,
-    by its directory); a failed write leaves whole lines and raises."""
-    path = Path(path)
-    data = (json.dumps(record, sort_keys=True) + "\n").encode()
-    append_lines(path, data, access=Access.of_directory(path.parent))
-
-
-# metrics.jsonl of a run of days is a few MB; beyond this its newest lines are read
-MAX_JSONL_BYTES = 64 << 20
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete line (of the newest MAX_JSONL_BYTES); a torn last line (a writer killed
-    mid-write), a first line cut by that bound or a garbled one is skipped."""
-    try:
-        text = read_regular(path, MAX_JSONL_BYTES, tail=True).decode("utf-8", errors="replace")
-    except OSError:  # missing, a directory, not a regular file: no records (yet)
-        return []
-    records = []
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records

@@ -25,10 +25,10 @@ import json
 import time
 from typing import Any
 
-from hpcdl.exchange.channel import applier_status_file
+from hpcdl.exchange.channel import applier_status_file, applier_storage_file
 from hpcdl.files import read_regular
 from hpcdl.runs import ENDED, FAILED, RunDir, State, read_jsonl
-from hpcdl.storage import REPORT_FILE, low_space, read_report
+from hpcdl.storage import low_space, read_report
 
 
 
@@ -151,7 +151,7 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
     if exchange:
         shards = run.shard_dirs(job)
         for k, d in enumerate(shards):
-            sources.append(("applier" if len(shards) == 1 else f"applier shard {k}", d / "applier" / REPORT_FILE))
+            sources.append(("applier" if len(shards) == 1 else f"applier shard {k}", applier_storage_file(d)))
     out = []
     for where, path in sources:
         report = read_report(path)

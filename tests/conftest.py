@@ -94,6 +94,15 @@ def run_hpcdl(args: list[str], *, runs_dir: Path, timeout: float, **kwargs) -> s
     pytest.fail(f"hpcdl {args[0]} did not end in {timeout:.0f} s; its logs:\n" + "\n".join(tails), pytrace=False)
 
 
+def hpcdl(*args: str, cwd, check: bool = True, timeout: float = 600, env=None) -> subprocess.CompletedProcess:
+    """`hpcdl ARGS` run in ``cwd`` (its runs under ``cwd/runs`` when a hang is diagnosed); a
+    non-zero exit fails the test unless ``check`` is false."""
+    proc = run_hpcdl(list(args), runs_dir=Path(cwd) / "runs", timeout=timeout, cwd=cwd, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 def set_args(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 

@@ -20,7 +20,7 @@ from hpcdl.runs import RunDir, RunIdTaken, append_jsonl, create_run, write_json_
 from hpcdl.schedulers.base import DryRun, Scheduler
 from hpcdl.status import collect
 from hpcdl.submit import Prepared, prepare, submit_run
-from tests.conftest import set_args, tiny_overrides, wait_for
+from tests.conftest import hpcdl, set_args, tiny_overrides, wait_for
 
 TRUNCATED = b'{"run_id": "hep-1", "backend": "lo'
 BINARY = b"\x00\x9c\xff\xfeELF\x01\x02\x80garbage"
@@ -313,15 +313,6 @@ def test_exchange_age_stops_at_the_end_of_a_group(run, state, frozen):
 
 
 # -- real processes on the local backend -------------------------------------------------------------
-def hpcdl(*args, cwd, check=True, timeout=300):
-    import subprocess
-
-    from tests.conftest import HPCDL
-
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def status_json(run_dir, cwd):

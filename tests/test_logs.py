@@ -15,7 +15,7 @@ import pytest
 from hpcdl.config import load_job
 from hpcdl.logs import last_error, select
 from hpcdl.runs import RunError, create_run
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import HPCDL, hpcdl, set_args, tiny_overrides
 
 TRACEBACK = """hpcdl rank 0: intra-op 1, inter-op 1
 Traceback (most recent call last):
@@ -86,11 +86,6 @@ def test_last_error_is_the_traceback_s_last_line(tmp_path):
     assert last_error([slurm]).startswith("hpcdl: error: group 0 checkpointed, not requeueing")
 
 
-def hpcdl(*args, cwd, check=True):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
@@ -149,7 +144,9 @@ def test_status_of_a_failed_group_names_its_logs_and_the_reason(hep_files, tmp_p
     (group,) = status["groups"]
     assert group["state"] == "failed", status
     assert group["logs"] == [str(run_dir / "groups/0/rank0.log")]
-    assert "train.h5" in group["last_error"] and "Error" in group["last_error"], group["last_error"]
+    # a user error: one line naming the file, no traceback
+    assert group["last_error"].startswith("hpcdl rank: error: ") and "train.h5" in group["last_error"], group["last_error"]
+    assert "Traceback" not in (run_dir / "groups/0/rank0.log").read_text()
     text = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
     assert "group 0 failed" in text and "rank0.log" in text and "train.h5" in text
     rank_log = hpcdl("logs", str(run_dir), "--group", "0", "--rank", "0", cwd=tmp_path).stdout

@@ -1,23 +1,17 @@
 """`hpcdl resume`: a run continues in its own directory, from its checkpoints and the applier's state."""
 
 import json
-import re
 import os
+import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from hpcdl.runs import read_jsonl
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import hpcdl, set_args, tiny_overrides
 from tests.test_hybrid import applied_exactly_once, wait_for
 
 
-def hpcdl(*args, cwd, check=True, timeout=600):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def steps(run_dir: Path, group: int) -> list[int]:

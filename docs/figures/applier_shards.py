@@ -1,7 +1,7 @@
 """The applier's CPU per update against the number of shards, per CPU measured.
 
 One full HEP update (594,178 parameters) applied by one shard of K, in full batches of 32: the
-median CPU time of `Applier.step` per update from `bench/exchange_load.py --breakdown`, beside
+median CPU time of `Applier.step` per update from `python -m bench.exchange_load --breakdown`, beside
 the ideal 1/K of K = 1.
 """
 
@@ -12,9 +12,9 @@ from docs.figures import load_result, save
 NAME = "applier-shards"
 
 SOURCES = {
-    "exchange-load-shards-2026-12-01c.json": "AMD EPYC, AVX2 (load 3–4)",
-    "exchange-load-shards-2026-12-01-zen4.json": "AMD EPYC Zen 4, AVX-512",
-    "exchange-load-shards-2026-12-02-spr-breakdown.json": "Xeon Sapphire Rapids (idle)",
+    "exchange-load/2026-12-01_194015-amd-epyc-avx2.json": "AMD EPYC, AVX2 (load 3–4)",
+    "exchange-load/2026-12-01_231031-amd-epyc-avx512.json": "AMD EPYC Zen 4, AVX-512",
+    "exchange-load/2026-12-02_055010-intel-xeon-amx.json": "Xeon Sapphire Rapids (idle)",
 }
 
 
@@ -41,6 +41,6 @@ def draw():
     ax.set_ylim(bottom=0)
     ax.set_title("Applier CPU per HEP update (2.38 MB) against shards", fontsize=10)
     ax.legend(fontsize=8)
-    fig.text(0.01, -0.03, "Sources: bench/results/" + ", ".join(SOURCES) + "\n(bench/exchange_load.py --breakdown; "
+    fig.text(0.01, -0.03, "Sources: bench/results/" + ", ".join(SOURCES) + "\n(python -m bench.exchange_load --breakdown; "
              "batches of 32, fsync on)", fontsize=6.5)
     return save(fig, NAME)

@@ -13,10 +13,10 @@ NAME = "step-peak"
 
 # result file under bench/results/, the machine as the caption names it
 SOURCES = {
-    "2026-12-01_042017.json": "AMD EPYC Zen 4\nAVX-512, AVX512_BF16",
-    "2026-12-02_062737.json": "Xeon Sapphire Rapids\nAMX",
-    "2026-12-02_062628-onednn-avx2.json": "Sapphire Rapids as AVX2\n(ONEDNN_MAX_CPU_ISA)",
-    "2026-12-01_124937.json": "AMD EPYC, AVX2\n(loaded: load avg 9–25)",
+    "bench/2026-12-01_042017-amd-epyc-avx512.json": "AMD EPYC Zen 4\nAVX-512, AVX512_BF16",
+    "bench/2026-12-02_062737-intel-xeon-amx.json": "Xeon Sapphire Rapids\nAMX",
+    "bench/2026-12-02_062628-intel-xeon-onednn-avx2.json": "Sapphire Rapids as AVX2\n(ONEDNN_MAX_CPU_ISA)",
+    "bench/2026-12-01_124937-amd-epyc-avx2.json": "AMD EPYC, AVX2\n(loaded: load avg 9–25)",
 }
 GOAL = 0.7
 

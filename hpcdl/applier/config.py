@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcdl.applier.rules import UPDATE_RULES, RuleParams
+from hpcdl.applier.rules import STALE_POLICIES, UPDATE_RULES, RuleParams
 from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
-from hpcdl.config import STALE_POLICIES
 
 
 @dataclass(frozen=True)

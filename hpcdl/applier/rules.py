@@ -38,6 +38,9 @@ from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
 
 Arrays = dict[str, np.ndarray]
 
+# What the applier does with an update staler than exchange.max_staleness (server.py)
+STALE_POLICIES = ("drop", "downweight")
+
 
 @dataclass(frozen=True)
 class RuleParams:
@@ -59,6 +62,20 @@ class UpdateRule:
 
     def __init__(self, params: RuleParams):
         self.p = params
+
+    @classmethod
+    def default_rate(cls, kind: str, train_learning_rate: float, groups: int) -> float:
+        """The rate when the job sets none, as the hybrid race found it (docs/results.md): G stale
+        small-batch gradients stand for one synchronous step of G times the batch, so gradients go
+        in at the groups' rate / √G; deltas at the rule's own outer rate."""
+        if kind == "gradient":
+            return train_learning_rate / max(1, groups) ** 0.5
+        return cls.outer_rate(train_learning_rate, groups)
+
+    @classmethod
+    def outer_rate(cls, train_learning_rate: float, groups: int) -> float:
+        """An adaptive outer rule (adam) takes the groups' own rate."""
+        return train_learning_rate
 
     def apply(self, weights: Arrays, slots: Mapping[str, Arrays], update: Mapping[str, np.ndarray],
               scale: float, t: int) -> None:
@@ -89,6 +106,10 @@ _COMPILED = (np.dtype(np.float32), np.dtype(np.float64))
 class Sgd(UpdateRule):
     name = "sgd"
 
+    @classmethod
+    def outer_rate(cls, train_learning_rate: float, groups: int) -> float:
+        return 2.0 / max(1, groups)  # the deltas averaged in at twice their mean
+
     def apply_tensor(self, k, dt, w, *, g, scale, t):
         k.sgd(w, g, dt(self.p.lr * scale))
 
@@ -115,6 +136,10 @@ class Adam(UpdateRule):
 
 class Nesterov(UpdateRule):
     name = "nesterov"
+
+    @classmethod
+    def outer_rate(cls, train_learning_rate: float, groups: int) -> float:
+        return 0.7  # DiLoCo's outer Nesterov rate
     slots = ("m", "b")
 
     def apply_tensor(self, k, dt, w, m, b, *, g, scale, t):

@@ -16,9 +16,9 @@ import numpy as np
 from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.rules import make_rule
 from hpcdl.applier.state import DurableState, StateLost, new_stats
-from hpcdl.exchange import ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, UpdateRef, atomic_write_bytes
-from hpcdl.files import append_lines
-from hpcdl.storage import REPORT_FILE, StorageReport, is_storage_full
+from hpcdl.exchange import ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, UpdateRef
+from hpcdl.files import append_jsonl, atomic_write_bytes, read_jsonl
+from hpcdl.storage import StorageReport, is_storage_full
 
 try:
     import fcntl
@@ -68,7 +68,7 @@ class Applier:
         self._crash = crash
         self._last_status = 0.0
         self._lock_fd = self._acquire_lock() if lock else None
-        self.storage = StorageReport(self.ch.applier_dir / REPORT_FILE, self.ch.access)
+        self.storage = StorageReport(self.ch.storage_path, self.ch.access)
         self._healthy = False  # True once the durable state is loaded and consistent
         self._failure: str | None = None  # why no durable state can be used (StateLost)
         try:
@@ -216,7 +216,7 @@ class Applier:
         return ev
 
     def _process(self, ref: UpdateRef, batch: _Batch) -> None:
-        rel = f"updates/{ref.name}"
+        rel = self.ch.relative(ref.path)
         key = (ref.group, ref.seq)
         batch.handled += 1
         if self.state.ledger.seen(*key):
@@ -341,7 +341,7 @@ class Applier:
                 continue
             self.state.adopt(tensors, 0, self.rule.slots)
             self._event(batch, "init", group=group, version=0, file=path.name)
-            batch.delete.extend(f"init/{p.name}" for p in proposals)
+            batch.delete.extend(self.ch.relative(p) for p in proposals)
             batch.handled = batch.applied = 1
             log.info("adopted the initial weights proposed by group %d as version 0", group)
             self._commit(batch)
@@ -436,7 +436,7 @@ class Applier:
                 raise ValueError(f"initial weights: {reason}")
             self.state.adopt(self._initial, 0, self.rule.slots)
             self._event(batch, "init", version=0, reason="given to the applier")
-            batch.delete.extend(f"init/{p.name}" for p in self.ch.pending_proposals())
+            batch.delete.extend(self.ch.relative(p) for p in self.ch.pending_proposals())
             self._commit(batch, publish=True)
         else:
             self._write_status()
@@ -527,19 +527,11 @@ class Applier:
         return replayed
 
     def _logged_events(self, after: int):
-        """The events logged with an id above ``after``, oldest first (rotated file first)."""
+        """The events logged with an id above ``after``, oldest first (rotated file first; the
+        newest lines of each, which hold them: the caller checks that none is missing)."""
         for path in (self._rotated_events_path, self.ch.events_path):
-            try:
-                with open(path, "rb") as f:
-                    lines = f.read().split(b"\n")
-            except FileNotFoundError:
-                continue
-            for line in lines:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue  # a line torn by a crash
-                if isinstance(ev, dict) and type(ev.get("event_id")) is int and ev["event_id"] > after:
+            for ev in read_jsonl(path):
+                if type(ev.get("event_id")) is int and ev["event_id"] > after:
                     yield ev
 
     # -- events, status, lock ------------------------------------------------------------------
@@ -551,19 +543,8 @@ class Applier:
     def _last_logged_event_id(self) -> int:
         """The id of the last complete event line (looking into the rotated log if needed)."""
         for path in (self.ch.events_path, self._rotated_events_path):
-            try:
-                with open(path, "rb") as f:
-                    size = os.fstat(f.fileno()).st_size
-                    f.seek(max(0, size - (1 << 20)))
-                    tail = f.read()
-            except FileNotFoundError:
-                continue
-            for line in reversed(tail.split(b"\n")):
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict) and type(ev.get("event_id")) is int:
+            for ev in reversed(read_jsonl(path, max_bytes=1 << 20)):
+                if type(ev.get("event_id")) is int:
                     return ev["event_id"]
         return 0
 
@@ -571,9 +552,8 @@ class Applier:
         new = [ev for ev in events if ev["event_id"] > self._logged_event_id]
         if not new:
             return
-        data = b"".join(json.dumps(ev, separators=(",", ":")).encode() + b"\n" for ev in new)
         # we are the only writer (we hold the lock): a failed append leaves no event half logged
-        size = append_lines(self.ch.events_path, data, access=self.ch.access, fsync=self.ch.fsync)
+        size = append_jsonl(self.ch.events_path, *new, access=self.ch.access, fsync=self.ch.fsync)
         self._logged_event_id = new[-1]["event_id"]
         if size > self.config.events_max_bytes:  # keep one rotated file: disk use stays bounded
             os.replace(self.ch.events_path, self._rotated_events_path)

@@ -205,11 +205,15 @@ from hpcdl.exchange.format import (
     ALIGN, ALLOWED_DTYPES, FORMAT_VERSION, KINDS, MAGIC, MAX_ELEMENTS, MAX_HEADER_BYTES, MAX_NAME_CHARS,
     MAX_NDIM, PREFIX_SIZE, CorruptFile, Signer, Tensors, read_file, write_file,
 )
-from hpcdl.files import TMP_PREFIX, atomic_write, atomic_write_bytes, fsync_dir
+
+# What an update holds (``kind``, the docstring's first section) and a delta's wire dtype
+EXCHANGE_KINDS = ("gradient", "delta")
+DELTA_DTYPES = ("float32", "float16")
 
 __all__ = [
+    "DELTA_DTYPES", "EXCHANGE_KINDS",
     "ALIGN", "ALLOWED_DTYPES", "FORMAT_VERSION", "KINDS", "MAGIC", "MAX_ELEMENTS", "MAX_HEADER_BYTES",
-    "MAX_NAME_CHARS", "MAX_NDIM", "MAX_REJECTED", "PREFIX_SIZE", "TMP_PREFIX", "Channel", "CorruptFile",
-    "Signer", "Tensors", "Update", "UpdateRef", "atomic_write", "atomic_write_bytes", "fsync_dir",
+    "MAX_NAME_CHARS", "MAX_NDIM", "MAX_REJECTED", "PREFIX_SIZE", "Channel", "CorruptFile",
+    "Signer", "Tensors", "Update", "UpdateRef",
     "init_name", "parse_update_name", "read_file", "update_name", "weights_name", "write_file",
 ]

@@ -23,6 +23,7 @@ from hpcdl.exchange.format import (
     MAX_HEADER_BYTES, CorruptFile, Signer, Tensors, _is_int, read_file, write_file,
 )
 from hpcdl.files import TMP_PREFIX
+from hpcdl.storage import REPORT_FILE
 from hpcdl.access import Access
 
 log = logging.getLogger("hpcdl.exchange")
@@ -89,6 +90,11 @@ def applier_status_file(root: Path) -> Path:
     return Path(root) / "applier" / "status.json"
 
 
+def applier_storage_file(root: Path) -> Path:
+    """The applier's storage report under an exchange directory (read by `hpcdl status`)."""
+    return Path(root) / "applier" / REPORT_FILE
+
+
 class Channel:
     """One run's exchange directory: layout, publishing and reading (see :mod:`hpcdl.exchange`).
 
@@ -131,6 +137,7 @@ class Channel:
         self.state_path = self.applier_dir / "state.hx"
         self.previous_state_path = self.applier_dir / "state.hx.1"  # the generation before
         self.status_path = applier_status_file(self.root)
+        self.storage_path = applier_storage_file(self.root)
         self.events_path = self.applier_dir / "events.jsonl"
         self.lock_path = self.applier_dir / "lock"
         dirs = (self.updates_dir, self.weights_dir, self.init_dir, self.applier_dir,
@@ -145,6 +152,10 @@ class Channel:
                 _stripe_small_files(self.updates_dir)
         elif not all(d.is_dir() for d in dirs):
             raise FileNotFoundError(f"{self.root} is not an exchange directory")
+
+    def relative(self, path: Path) -> str:
+        """``path`` as the applier's ledger names it: relative to the exchange root."""
+        return Path(path).relative_to(self.root).as_posix()
 
     # -- internal ------------------------------------------------------------------------------
 

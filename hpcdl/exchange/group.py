@@ -38,7 +38,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hpcdl.exchange import Channel, atomic_write_bytes
+from hpcdl.exchange import Channel
+from hpcdl.files import atomic_write_bytes
 from hpcdl.exchange.shards import Partition, PartitionMismatch
 from hpcdl.runs import RunDir
 from hpcdl.storage import StorageReport, is_storage_full

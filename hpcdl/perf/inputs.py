@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from hpcdl.config import DELTA_DTYPES, EXCHANGE_KINDS
+from hpcdl.exchange import DELTA_DTYPES, EXCHANGE_KINDS
 from hpcdl.files import read_regular
 from hpcdl.perf.model import hep_network
 
@@ -361,7 +361,7 @@ HPCDL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "exchange_latency": (5e-3, _GENERIC),
     "exchange_bandwidth": (1e9, _GENERIC),
     "applier_bytes_per_s": (4e9, "measured: Adam + finite check of a 2.38 MB update in 0.6 ms "
-                                 "on one AVX2 core (bench/exchange_load.py --breakdown)"),
+                                 "on one AVX2 core (python -m bench.exchange_load --breakdown)"),
     "applier_max_batch": (32, _HPCDL),
     "exchange_shards": (1, _HPCDL),
     "max_pending_per_group": (4, _HPCDL),

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from hpcdl.schedulers.base import Scheduler
 
 SCHEDULERS = {"local": "hpcdl.schedulers.local:LocalScheduler", "slurm": "hpcdl.schedulers.slurm:SlurmScheduler"}
+BACKEND_CHOICES = ("auto", *SCHEDULERS)  # auto: SLURM where it answers, else this machine (select.py)
 
 
 def get_scheduler(name: str) -> "Scheduler":

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tupl
 
 import numpy as np
 
-from hpcdl.files import atomic_path, fsync_dir, temporary_for
+from hpcdl.files import atomic_path, atomic_paths
 
 if TYPE_CHECKING:
     import h5py
@@ -132,6 +132,11 @@ def drain_queue(q: "queue.Queue") -> None:
 SPLITS = ("train", "val", "test")
 
 
+def split_paths(out_dir) -> Dict[str, Path]:
+    """Where a generated set keeps each split: ``<out_dir>/<split>.h5``."""
+    return {name: Path(out_dir) / f"{name}.h5" for name in SPLITS}
+
+
 def is_int(v) -> bool:
     """A Python or numpy integer, not a bool."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
@@ -186,23 +191,16 @@ def write_splits(out_dir, sizes: Sequence[int], write_split: Callable[..., None]
         probe.unlink()
     except OSError as exc:  # /proc/x, a read-only or foreign directory: one line, nothing written
         raise ValueError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
-    finals = {name: out_dir / f"{name}.h5" for name in SPLITS}
-    temps = {name: temporary_for(path) for name, path in finals.items()}
-
-    def write_all(report: Callable[[int], None]) -> None:
-        for i, (name, n) in enumerate(zip(SPLITS, sizes)):
-            write_split(temps[name], name, i, n, report)
-            with open(temps[name], "rb") as f:
-                os.fsync(f.fileno())
-
+    finals = split_paths(out_dir)
     try:
-        _in_child(write_all, progress, out_dir)
-        for name in SPLITS:
-            os.replace(temps[name], finals[name])
-        fsync_dir(out_dir)
+        with atomic_paths(list(finals.values())) as temps:
+
+            def write_all(report: Callable[[int], None]) -> None:
+                for i, (tmp, name, n) in enumerate(zip(temps, SPLITS, sizes)):
+                    write_split(tmp, name, i, n, report)
+
+            _in_child(write_all, progress, out_dir)
     except BaseException:
-        for tmp in temps.values():
-            tmp.unlink(missing_ok=True)
         if made and not any(out_dir.iterdir()):
             out_dir.rmdir()
         raise

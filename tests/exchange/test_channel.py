@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from hpcdl import exchange as ex
+from hpcdl import files
 from hpcdl.exchange import Channel, CorruptFile, Signer
 from tests.conftest import REPO
 
@@ -449,7 +450,7 @@ def test_the_backlog_bound_neither_deletes_nor_counts_updates_the_applier_proces
         ch.publish_update(0, seq, 0, w)
     assert ch.dropped_backlog == 1 and sorted(r.seq for r in ch.pending_updates()) == [1, 2]
     # the applier has processed seq 1 and 2 (its commit), and deletes their files only after it
-    ex.atomic_write_bytes(ch.status_path, json.dumps({"last_seq": {"0": 2}}).encode())
+    files.atomic_write_bytes(ch.status_path, json.dumps({"last_seq": {"0": 2}}).encode())
     for seq in (3, 4):
         ch.publish_update(0, seq, 0, w)
     assert ch.dropped_backlog == 1, "processed files were counted as dropped"

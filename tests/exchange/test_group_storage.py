@@ -3,6 +3,7 @@ memory and published in order, with contiguous sequence numbers, once there is r
 
 from __future__ import annotations
 
+import builtins
 import errno
 import os
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hpcdl import files
 from hpcdl.exchange import Channel
 from hpcdl.exchange.group import ExchangeSync
 from hpcdl.storage import REPORT_FILE, StorageReport, read_report
@@ -69,7 +71,6 @@ def test_publish_with_an_injected_edquot_at_close(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", max_pending_per_group=100)
     report_path = tmp_path / REPORT_FILE
     sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, report=StorageReport(report_path))
-    real_fdopen = os.fdopen
 
     class FullAtClose:
         def __init__(self, f):
@@ -85,13 +86,14 @@ def test_publish_with_an_injected_edquot_at_close(tmp_path, monkeypatch):
             self._f.close()
             raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
-    def broken(fd, *args, **kwargs):
-        f = real_fdopen(fd, *args, **kwargs)
-        return FullAtClose(f) if "/updates/" in os.readlink(f"/proc/self/fd/{fd}") else f
+    def broken(path, *args, **kwargs):
+        f = builtins.open(path, *args, **kwargs)
+        return FullAtClose(f) if "/updates/" in str(path) else f
 
+    # files.py opens the temporary by name; a module attribute shadows the builtin there only
     check_publish_failure_keeps_everything(
-        ch, sync, report_path, make_room=lambda: monkeypatch.setattr(os, "fdopen", real_fdopen),
-        break_disk=lambda: monkeypatch.setattr(os, "fdopen", broken))
+        ch, sync, report_path, make_room=lambda: monkeypatch.delattr(files, "open", raising=False),
+        break_disk=lambda: monkeypatch.setattr(files, "open", broken, raising=False))
 
 
 def test_held_updates_wait_for_space_at_their_bound(tmp_path, monkeypatch):

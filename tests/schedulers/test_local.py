@@ -2,19 +2,13 @@
 
 import json
 import os
-import subprocess
 import time
 
 import numpy as np
 
-from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
+from tests.conftest import hpcdl, set_args, tiny_overrides, wait_for
 
 
-def hpcdl(*args, cwd, check=True, timeout=600):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def test_one_group_of_two_ranks_trains_and_evaluates(hep_files, tmp_path):

@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
@@ -12,17 +11,14 @@ from hpcdl.config import load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.local import LocalScheduler, check_local_mpi
-from tests.conftest import HPCDL, mpi_test_env, set_args, tiny_overrides
+from tests.conftest import mpi_test_env, set_args, tiny_overrides
+from tests.conftest import hpcdl as run_checked
 
 MPI = ['run.controller="mpi"']
 
 
-def hpcdl(*args, cwd, env=None, check=True, timeout=600):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env=env or mpi_test_env())
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
+def hpcdl(*args, env=None, **kwargs):
+    return run_checked(*args, env=env or mpi_test_env(), **kwargs)
 
 
 def status(run_dir, cwd):

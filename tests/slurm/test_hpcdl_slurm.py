@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import HPCDL, set_args, tiny_overrides
+from tests.conftest import hpcdl, set_args, tiny_overrides
 
 pytestmark = pytest.mark.slurm
 
@@ -25,11 +25,6 @@ def no_jobs_left(slurm_cluster):
         time.sleep(0.5)
 
 
-def hpcdl(*args, cwd, check=True):
-    proc = subprocess.run([HPCDL, *args], cwd=cwd, capture_output=True, text=True, timeout=120)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 def submit(hep_files, tmp_path, steps, *extra, nodes=4, group_size=2):

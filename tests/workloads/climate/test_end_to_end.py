@@ -11,14 +11,9 @@ import pytest
 
 from hpcdl.workloads.climate.generate import generate
 from hpcdl.workloads.climate.metrics import read_detections
-from tests.conftest import run_hpcdl, set_args
+from tests.conftest import hpcdl, set_args
 
 
-def hpcdl(*args, cwd, check=True, timeout=600):
-    proc = run_hpcdl(list(args), runs_dir=cwd / "runs", timeout=timeout, cwd=cwd)
-    if check:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -145,7 +145,6 @@ def test_mutated_files_never_crash_the_process_or_hang(originals):
     script = textwrap.dedent(f"""
         import collections, json, random, sys
         from pathlib import Path
-        sys.path.insert(0, {str(REPO)!r})
         from tests.workloads.hep.test_hdf5_hardening import mutate, read_everything
         from hpcdl.workloads.hep.data import DataError
         files = {{k: Path(p).read_bytes() for k, p in json.loads(sys.argv[1]).items()}}
@@ -232,13 +231,12 @@ def test_lying_layouts_are_clean_data_errors_or_consistent(originals, layout, sp
 
 RUN_LIMITED = textwrap.dedent("""
     import json, os, resource, sys
-    sys.path.insert(0, sys.argv[3])
     resource.setrlimit(resource.RLIMIT_AS, (int(sys.argv[2]), int(sys.argv[2])))
     resource.setrlimit(resource.RLIMIT_CPU, (120, 120))
     from hpcdl.workloads.hep.data import DataError, iter_batches, open_hep
     try:
         hep = open_hep(sys.argv[1])
-        if sys.argv[4] == "iter":  # what training does: a prefetching shard iterator
+        if sys.argv[3] == "iter":  # what training does: a prefetching shard iterator
             it = iter_batches(hep, batch_size=4, rank=0, size=1, chunk_events=64, prefetch=1,
                               drop_remainder=True, epochs=1)
             x = next(iter(it))[0]
@@ -257,8 +255,8 @@ RUN_LIMITED = textwrap.dedent("""
 
 
 def run_limited(path: Path, mode: str = "iter") -> dict:
-    proc = subprocess.run([sys.executable, "-c", RUN_LIMITED, str(path), str(AS_LIMIT), str(REPO), mode],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", RUN_LIMITED, str(path), str(AS_LIMIT), mode],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
