@@ -249,7 +249,8 @@ def cancel(run, runs_dir):
 @click.option("-f", "--follow", is_flag=True, help="Keep printing what is appended, and new files, until Ctrl-C.")
 def logs(run, runs_dir, group, rank, applier, follow):
     """Print a run's log files (default: the newest run under --runs-dir): every rank's, the
-    applier's, the local supervisor's and SLURM's output files, each under a ==> path <== header."""
+    applier's, the local supervisor's and SLURM's output files; as tail does, each under a
+    ==> path <== header when there are several (or with --follow), a single file as it is."""
     from hpcdl.logs import select, stream, until_signalled
     from hpcdl.runs import find_run
 
@@ -290,7 +291,8 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
 
     progress, task = counting_progress(err, "scoring", None)
     with progress:
-        result = run_evaluate(checkpoint, data, out_dir, scores_out, progress=lambda n: progress.advance(task, n))
+        result = run_evaluate(checkpoint, data, out_dir, scores_out, progress=lambda n: progress.advance(task, n),
+                              total=lambda n: progress.update(task, total=n))
     if as_json:
         _emit_json(result)
         return

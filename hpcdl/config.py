@@ -100,6 +100,7 @@ class TrainConfig:
     log_every: int = 10  # steps between metrics lines (groups/<g>/metrics.jsonl) and state updates
     checkpoint_every: int = 100  # steps between checkpoints (a stop checkpoints as well)
     keep_checkpoints: int = 3  # newest checkpoints kept per group
+    final_save_retry_s: float = 600.0  # a full disk at the end: the last checkpoint and state retried this long
     validate_every: int = 100  # steps between validations on data.val (0: none); hybrid: the master
     validate_events: int = 1024  # the fixed subset: the first N examples of data.val
 
@@ -109,6 +110,8 @@ class TrainConfig:
             _positive(f"train.{name}", getattr(self, name))
         if self.validate_every < 0:
             raise JobError(f"train.validate_every must be >= 0 (0: no validation), got {self.validate_every}")
+        if not self.final_save_retry_s >= 0:
+            raise JobError(f"train.final_save_retry_s must be >= 0, got {self.final_save_retry_s}")
         _choice("train.optimizer", self.optimizer, tuple(TRAIN_OPTIMIZERS))
         if not self.learning_rate > 0:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
@@ -140,6 +143,7 @@ class ExchangeConfig:
     stale_policy: str = "drop"  # drop: deleted unapplied; downweight: applied at lr / (1 + staleness)
     keep_versions: int = 3  # newest master weights versions kept in the exchange directory
     max_pending_per_group: int = 16  # twice the applier's batch: a keeping-up applier loses none
+    drop_held_updates: bool = False  # a full disk: true drops a root's oldest held update past that bound; false waits for space
     shards: int | str = 1  # appliers, each owning a byte-balanced part of the tensors; "auto": hpcdl plan's
 
     def validate(self) -> None:

@@ -92,7 +92,8 @@ def status_view(status: Mapping[str, Any]):
             table.add_column(column, justify="right", no_wrap=True)
         for row in shards or [applier]:
             backend = row.get("backend") or {}
-            running = backend.get("state") or ("running" if backend.get("running") else "stopped")
+            running = backend.get("state") or ("running" if backend.get("running") else
+                                               "failed" if row.get("phase") == "failed" else "stopped")
             where = backend.get("nodes") or backend.get("reason") or row.get("host")  # its node, or why it waits
             running += f" ({where})" if where else ""
             cells = [running, _num(row.get("version"), "{}"), _num(row.get("applied"), "{}"),
@@ -102,6 +103,12 @@ def status_view(status: Mapping[str, Any]):
                      _num(row.get("cpu_per_update_s") and row["cpu_per_update_s"] * 1e3, "{:.1f} ms")]
             table.add_row(*([f"shard {row['shard']}"] if shards else []), *cells)
         parts.append(table)
+        for row in shards or [applier]:
+            which = f"applier shard {row['shard']}" if shards else "applier"
+            if row.get("error"):
+                parts.append(f"[red]{which} failed[/]: {escape(row['error'])}")
+            elif row.get("recovered"):
+                parts.append(f"[yellow]{which} recovered[/]: {escape(row['recovered'])}")
     t = status["totals"]
     per_node = (t["sustained_flops_per_s"] / t["nodes"]) if t.get("sustained_flops_per_s") else None
     parts.append(

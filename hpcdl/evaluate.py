@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hpcdl.access import Access
 from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
@@ -80,7 +80,10 @@ def _check_manifest(path: Path) -> None:
 
 
 def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
-             scores_out: Path | None = None, progress=None) -> dict[str, Any]:
+             scores_out: Path | None = None, progress=None,
+             total: Callable[[int | None], None] | None = None) -> dict[str, Any]:
+    """Score a checkpoint (or the run's master weights) on `data`; `progress(n)` is told of each
+    n examples scored, `total(count)` once, of how many there are."""
     from hpcdl.engine.train import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
@@ -118,6 +121,8 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     else:
         out_dir.mkdir(parents=True, exist_ok=True)
     try:
+        if total is not None:
+            total(workload.examples(data))
         result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
     except BaseException:
         if made and not any(out_dir.iterdir()):

@@ -38,7 +38,8 @@ from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 # Exit codes of the processes a life watches, and of the life itself.
 EXIT_OK = 0
 EXIT_FAILED = 1
-EXIT_USER_ERROR = 2  # a rank refused its input (a missing file, a precision the CPU lacks): no retry helps
+EXIT_USER_ERROR = 2  # a rank refused its input (a missing file, a precision the CPU lacks), or an
+# applier its durable state (damaged, no good generation left): no retry helps
 EXIT_LOCKED = 3  # another applier holds the shard's lock: this one is not needed
 EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on request after a commit, to be continued
 
@@ -307,6 +308,7 @@ class ShardLife:
     procs: Processes | None = None
     restarts: int = 0
     code: int | None = None
+    reason: str = ""
 
 
 @dataclass
@@ -314,8 +316,9 @@ class ApplierLife:
     """The appliers of a run's exchange, one process per shard.
 
     A shard whose applier crashed is started again from its durable state, at most
-    ``max_restarts`` times; ``EXIT_OK`` (done), ``EXIT_REQUEUE`` (asked to stop) and
-    ``EXIT_LOCKED`` (another applier holds the shard) end it. ``request_stop`` makes every shard
+    ``max_restarts`` times; ``EXIT_OK`` (done), ``EXIT_REQUEUE`` (asked to stop),
+    ``EXIT_LOCKED`` (another applier holds the shard) and ``EXIT_USER_ERROR`` (its durable state
+    cannot be used: failed, not restarted) end it. ``request_stop`` makes every shard
     commit and exit; ``requeue`` (SLURM) then continues the appliers, unless the run was cancelled.
     """
 
@@ -354,10 +357,16 @@ class ApplierLife:
             if (code in (EXIT_OK, EXIT_REQUEUE, EXIT_LOCKED) or self.stop_asked_at is not None
                     or self.run.cancel_mark.exists() or not groups_active):
                 life.code = code
+            elif code == EXIT_USER_ERROR:
+                life.code = code
+                life.reason = (f"shard {life.shard}'s applier exited with status {code}: its durable state "
+                               "cannot be used, no restart can mend that (its log and `hpcdl status` say why)")
+                self.log(life.reason)
             elif life.restarts >= self.max_restarts:
                 life.code = code
-                self.log(f"shard {life.shard}'s applier exited with status {code}, {life.restarts + 1} times: "
-                         f"more than run.max_restarts = {self.max_restarts}")
+                life.reason = (f"shard {life.shard}'s applier exited with status {code}, {life.restarts + 1} "
+                               f"times: more than run.max_restarts = {self.max_restarts}")
+                self.log(life.reason)
             else:
                 life.restarts += 1
                 self.log(f"shard {life.shard}'s applier exited with status {code}; starting it again from its "
@@ -372,6 +381,10 @@ class ApplierLife:
             for life in self.lives:
                 if life.procs is not None and life.code is None:
                     life.procs.ask_to_stop()
+
+    @property
+    def failed(self) -> bool:
+        return any(life.code not in (EXIT_OK, EXIT_REQUEUE, EXIT_LOCKED, None) for life in self.lives)
 
     def finish(self) -> int:
         """After every shard ended: requeue if they were asked to stop for that; the exit code."""
@@ -395,4 +408,5 @@ class ApplierLife:
         return {"restarts": sum(life.restarts for life in self.lives),
                 "shards": [{"shard": life.shard, "pid": (life.procs.pids or [None])[0] if life.procs else None,
                             "running": life.code is None and life.procs is not None and bool(life.procs.pids),
-                            "restarts": life.restarts, "exit_code": life.code} for life in self.lives]}
+                            "restarts": life.restarts, "exit_code": life.code, "reason": life.reason}
+                           for life in self.lives]}

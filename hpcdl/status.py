@@ -12,6 +12,10 @@ full disk shows even when nothing could be written about it.
 FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *sustained* the
 work of the whole run divided by its wall time (data loading, checkpoints and exchange included);
 the totals add the groups' rates.
+
+A group's ``published`` counts its updates over the run's life, every restart and resume
+included (its exchange sequence numbers run on), so it compares with the applier's counts:
+published = applied + dropped + backlog, plus any the channel's backlog bound deleted.
 """
 
 from __future__ import annotations
@@ -76,13 +80,17 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
         "nodes": job.run.nodes,
     }
+    state = _run_state([g["state"] for g in groups])
+    if applier is not None and state != State.RUNNING and any(
+            row.get("phase") == "failed" for row in applier.get("shards") or [applier]):
+        state = State.FAILED  # the groups ended, but the master did not come through
     return {
         "run_id": run.run_id,
         "run_dir": str(run.root),
         "workload": job.workload,
         "backend": info["backend"],
         "created": info.get("created"),
-        "state": _run_state([g["state"] for g in groups]),
+        "state": state,
         "note": backend_view.get("note", ""),
         # Emulated stragglers and failures are for experiments: said on every view of the run.
         "emulated": dataclasses.asdict(job.emulate) if job.emulate.enabled else None,
@@ -108,7 +116,8 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
     return {
         "group": g,
         "state": group_state,
-        "step": last.get("step", 0),
+        # the final state is written until it holds (metrics lines may be lost to a full disk)
+        "step": max(last.get("step", 0), _count(state.get("step"))),
         "steps": job.train.steps,
         "loss": last.get("loss"),
         "images_per_s": last.get("images_per_s"),
@@ -120,7 +129,8 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
         "last_report_age_s": now - last["time"] if "time" in last else None,
         "exchange_age_s": max(0.0, until - last["exchange_last_s"]) if last.get("exchange_last_s") else None,
         "exchange_version": last.get("exchange_version"),
-        "published": last.get("exchange_published"),
+        # over the run's life, every restart and resume included (the group's next sequence number)
+        "published": (state if _count(state.get("step")) >= _count(last.get("step")) else last).get("exchange_published"),
         "adopted": last.get("exchange_adopted"),
         "unpublished": last.get("exchange_unpublished"),
         # The group's life counts restarts after failures; under SLURM it also records SLURM's own
@@ -221,6 +231,8 @@ def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
         "groups": raw.get("groups", {}),
         "host": raw.get("host"),
         "cpu_per_update_s": raw.get("cpu_per_update_s"),
+        "error": raw.get("error"),  # why it ended failed: no usable durable state
+        "recovered": raw.get("recovered"),  # how it came back from a damaged state
     }
 
 

@@ -7,7 +7,8 @@
   SIGUSR2, to any of these processes, writes its threads' stacks to its log.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished (or the local supervisor saw every group end) and nothing is left to apply,
-  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle). With
+  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle); with no usable durable
+  state (hpcdl.applier.state.StateLost) it says why in one line and exits EXIT_USER_ERROR. With
   `--slurm-array` it also ends, after the backlog, once SLURM holds no element of the group array
   (a cancelled or failed group never reports "finished").
 
@@ -35,9 +36,11 @@ from hpcdl.errors import JobError
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.storage import FinalSaveFailed
 from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
+ENDED_FULL_DISK_GRACE_S = 30.0  # every group ended: how long the applier retries a full disk
 
 
 def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
@@ -111,7 +114,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     warn, at any time)."""
     import logging
 
-    from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig
+    from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig, StateLost
     from hpcdl.exchange.group import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -128,6 +131,9 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     except AlreadyRunning as exc:
         print(f"hpcdl applier: {exc}", file=sys.stderr)
         return EXIT_LOCKED
+    except ValueError as exc:  # StateLost, a state of another update rule: no restart mends it
+        print(f"hpcdl applier: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
     requeue = {"asked": False}
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: applier.request_stop())
@@ -136,13 +142,27 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         requeue["asked"] = early_signal() == signal.SIGUSR1
         applier.request_stop()
 
+    failing_since: list[float] = []
+
     def done() -> bool:
         over = (groups_finished(run, job.run.groups) or run.groups_ended_mark.exists()
                 or (array_gone is not None and array_gone()))
-        return over and channel.backlog() == 0
+        if not over or channel.backlog() == 0:
+            return over
+        # Every group has ended: what a full disk keeps from being committed for longer than
+        # the grace stays pending (a resume applies it); the run does not wait for space.
+        if applier.healthy:
+            failing_since.clear()
+            return False
+        failing_since[:1] = failing_since[:1] or [time.monotonic()]
+        return time.monotonic() - failing_since[0] > ENDED_FULL_DISK_GRACE_S
 
     with applier:
-        applier.run(stop=done)
+        try:
+            applier.run(stop=done)
+        except StateLost as exc:  # lost while reloading after an I/O error
+            print(f"hpcdl applier: error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_USER_ERROR
     return EXIT_REQUEUE if requeue["asked"] else EXIT_OK
 
 
@@ -170,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
         _mark_input_error(argv, str(exc))
         return EXIT_USER_ERROR
+    except FinalSaveFailed as exc:  # a full disk at the end: a restart resumes from the newest checkpoint
+        print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_FAILED
 
 
 def _mark_input_error(argv: list[str] | None, text: str) -> None:

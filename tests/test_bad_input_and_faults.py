@@ -429,3 +429,124 @@ def test_the_applier_takes_a_garbled_group_state_for_not_finished(tmp_path):
         run.group_state_file(g).write_bytes(content)
     assert groups_finished(run, 1)
     assert not groups_finished(run, 2) and not groups_finished(run, 3)
+
+
+def _hold_supervisor_and_kill_applier(run_dir, supervisor, damage):
+    """The applier killed -9 while its supervisor is held, its state damaged, the supervisor let
+    go: it starts the applier again on what is left."""
+    import signal
+
+    applier = json.loads((run_dir / "scheduler/local.json").read_text())["applier"]["pid"]
+    os.kill(supervisor, signal.SIGSTOP)
+    try:
+        os.kill(applier, signal.SIGKILL)
+        wait_for(lambda: not alive(applier), 30, "the applier to die")
+        damage(run_dir / "exchange" / "applier")
+    finally:
+        os.kill(supervisor, signal.SIGCONT)
+
+
+def test_a_damaged_applier_state_is_recovered_then_a_lost_one_fails_the_run(hep_files, tmp_path):
+    """First the newest state is damaged: the restarted applier recovers from the one before and
+    says so; then both are: it ends failed with one line, status says it, submit exits non-zero."""
+    import subprocess
+
+    from tests.applier.test_damaged_state import flip_region, truncate
+    from tests.conftest import HPCDL
+
+    runs = tmp_path / "runs"
+    submit = subprocess.Popen([HPCDL, "submit", "hep", "--json", "--nodes", "2", "--group-size", "1",
+                               *set_args(tiny_overrides(hep_files, runs, steps=400) + ["exchange.reply_timeout_s=2"])],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = None
+    try:
+        run_dir = wait_for(lambda: next(iter(runs.glob("*/scheduler/local.json")), None), 120, "the run").parent.parent
+        applier_dir = run_dir / "exchange" / "applier"
+        supervisor = json.loads((run_dir / "scheduler/local.json").read_text())["supervisor_pid"]
+        wait_for(lambda: (status_json(run_dir, tmp_path)["applier"]["version"] or 0) > 20
+                 and (applier_dir / "state.hx.1").exists(), 120, "two committed applier states")
+        _hold_supervisor_and_kill_applier(run_dir, supervisor, lambda d: flip_region(d / "state.hx"))
+        recovered = wait_for(lambda: status_json(run_dir, tmp_path)["applier"]["recovered"], 60, "the recovery")
+        assert "state.hx is damaged" in recovered and "recovered from state.hx.1" in recovered
+        assert "recovered" in hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+        version = status_json(run_dir, tmp_path)["applier"]["version"]
+        wait_for(lambda: (status_json(run_dir, tmp_path)["applier"]["version"] or 0) > version + 4, 60,
+                 "the recovered applier to apply")
+
+        def lose_both(d):
+            truncate(d / "state.hx")
+            flip_region(d / "state.hx.1")
+
+        _hold_supervisor_and_kill_applier(run_dir, supervisor, lose_both)
+        out, err = submit.communicate(timeout=240)
+        assert submit.returncode != 0, out + err
+        status = status_json(run_dir, tmp_path)
+        assert [g["state"] for g in status["groups"]] == ["finished", "finished"]
+        assert status["state"] == "failed" and status["applier"]["phase"] == "failed"
+        error = status["applier"]["error"]
+        assert "no usable applier state" in error and "\n" not in error
+        text = hpcdl("status", str(run_dir), cwd=tmp_path).stdout
+        assert "applier failed" in text and "no usable applier state" in text
+        log = (run_dir / "applier.log").read_text()
+        assert "Traceback" not in log and log.count("hpcdl applier: error: no usable applier state") == 1
+        applied = [(e["group"], e["seq"]) for e in map(json.loads, (applier_dir / "events.jsonl").read_text().splitlines())
+                   if e["event"] == "applied"]
+        assert len(applied) == len(set(applied)), "no update applied twice"
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        if run_dir is not None:
+            stop_leftovers(run_dir)
+
+
+def test_a_full_disk_across_the_end_of_training_loses_nothing(hep_files, tmp_path, tiny_runs_fs):
+    """The runs directory fills just before the last step and has room again a few seconds
+    later: each group's final checkpoint, held updates and state are written once there is
+    room, nothing is dropped, status shows the real steps, and the run ends at once."""
+    import subprocess
+
+    from hpcdl.runs import read_jsonl
+    from hpcdl.storage import recorded_checkpoint
+    from tests.conftest import HPCDL
+    from tests.helpers.full_disk import fill
+
+    runs, steps = tiny_runs_fs, 300
+    (runs / "filler").touch()  # its inode exists before the disk fills up
+    submit = subprocess.Popen([HPCDL, "submit", "hep", "--json", "--nodes", "2", "--group-size", "1",
+                               *set_args(tiny_overrides(hep_files, runs, steps=steps)
+                                         + ["exchange.reply_timeout_s=2", "train.validate_every=0"])],
+                              cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_dir = None
+    try:
+        run_dir = wait_for(lambda: next(iter(runs.glob("hep-*/scheduler/local.json")), None), 120, "the run").parent.parent
+
+        def step(g):
+            return max((m.get("step", 0) for m in read_jsonl(run_dir / "groups" / str(g) / "metrics.jsonl")), default=0)
+
+        wait_for(lambda: min(step(0), step(1)) >= steps - 15, 180, "the last steps", poll=0.05)
+        filler = fill(runs)
+        time.sleep(4)
+        filler.unlink()
+        out, err = submit.communicate(timeout=120)
+        ended = time.time()
+        assert submit.returncode == 0, out + err
+        status = status_json(run_dir, tmp_path)
+        assert [(g["state"], g["step"]) for g in status["groups"]] == [("finished", steps)] * 2
+        published, last_end = 0, 0.0
+        for g in range(2):
+            state = run_dir / "groups" / str(g) / "state.json"
+            assert recorded_checkpoint(run_dir / "checkpoints" / str(g)) == f"ckpt-{steps}"
+            final = json.loads(state.read_text())
+            assert final["exchange_unpublished"] == 0 and final["exchange_unpublished_dropped"] == 0
+            assert final["exchange_backlog_dropped"] == 0
+            published += final["exchange_published"]
+            last_end = max(last_end, state.stat().st_mtime)
+        assert ended - last_end < 90, "the run ends once its groups have (not after the applier's drain bound)"
+        applier = status["applier"]
+        assert applier["backlog"] == 0 and applier["applied"] + applier["dropped"] == published
+    finally:
+        if submit.poll() is None:
+            submit.kill()
+        if run_dir is not None:
+            stop_leftovers(run_dir)
+

@@ -98,6 +98,7 @@ def test_the_intact_checkpoint_evaluates(checkpoint, hep_files, tmp_path):
     result = evaluate(checkpoint, hep_files["test"], tmp_path / "out")
     assert result.exit_code == 0, result.output
     assert (tmp_path / "out" / "roc.png").is_file()
+    assert "512/512" in result.output  # the progress bar knows its total: every test event
 
 
 def test_evaluate_refuses_data_of_another_shape_without_leaving_its_directory(checkpoint, tmp_path):

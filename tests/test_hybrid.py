@@ -101,7 +101,7 @@ def test_kill_a_rank_of_group_one(hep_files, tmp_path):
     wait_for(lambda: local_view(run_dir)["groups"]["1"]["restarts"] == 1, what="group 1 restarted")
     # Group 1 is back once it reports again; meanwhile group 0 went on training.
     lines = wait_for(lambda: [m for m in read_jsonl(run_dir / "groups/1/metrics.jsonl")
-                              if m["time"] > time.time() - 60 and m.get("exchange_published", 0) <= 5
+                              if m["time"] > time.time() - 60 and m.get("exchange_published_here", 0) <= 5
                               and m["step"] > 5], what="group 1 reporting after its restart")
     assert state(run_dir, 0)["step"] > step0_at_kill
     resumed = lines[0]

@@ -179,3 +179,13 @@ def test_submit_prints_the_slurm_job_ids(hep_files, tmp_path):
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "SLURM jobs: group array 501 (elements 0-1), applier 500" in proc.stdout
+
+
+def test_logs_help_says_when_there_is_a_header():
+    """As tail: a header per file when there are several (test above), none for a single one."""
+    from click.testing import CliRunner
+
+    from hpcdl.cli import main
+
+    text = " ".join(CliRunner().invoke(main, ["logs", "--help"]).output.split())
+    assert "==> path <== header when there are several (or with --follow), a single file as it is" in text

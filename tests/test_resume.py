@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -73,3 +74,22 @@ def test_resume_after_a_kill_9_of_the_supervisor_finishes_with_an_exact_ledger(h
     assert set(status["last_seq"]) == {"0", "1"} and status["counts"]["applied"] > 0
     shown = json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
     assert shown["state"] == "finished"
+
+
+def test_a_cancel_and_resume_counts_updates_over_the_runs_life_and_says_where_it_resumed(hep_files, tmp_path):
+    runs, total = tmp_path / "runs", 80
+    out = json.loads(hpcdl("submit", "hep", "--nodes", "2", "--group-size", "1", "--detach", "--json",
+                           *set_args(tiny_overrides(hep_files, runs, steps=total)), cwd=tmp_path).stdout)
+    run_dir = Path(out["run_dir"])
+    wait_for(lambda: min(len(steps(run_dir, 0)), len(steps(run_dir, 1))) >= 4, what="both groups at step 20")
+    hpcdl("cancel", str(run_dir), cwd=tmp_path)
+    wait_for(lambda: json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)["state"]
+             == "cancelled", timeout=120, what="the cancel")
+    assert json.loads(hpcdl("resume", str(run_dir), "--json", cwd=tmp_path).stdout)["ok"] is True
+    status = json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+    published = [g["published"] for g in status["groups"]]
+    applier = status["applier"]
+    assert published == [total, total], "one update a step, over both starts"
+    assert sum(published) == applier["applied"] + applier["dropped"] + applier["backlog"]
+    log = (run_dir / "groups" / "0" / "rank0.log").read_text()
+    assert re.search(r"hpcdl group 0: resumed from checkpoint [1-9]\d*, master version [1-9]\d*\n", log), log

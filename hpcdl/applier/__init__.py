@@ -56,6 +56,19 @@ Crash points (kill -9 anywhere; on restart the newest state.hx is loaded first):
   moving a file twice is harmless). Independently, any pending update whose (group, seq) is in the
   ledger is deleted without being applied (counted as ``duplicates``; this also covers a publisher
   that republished a pair).
+Damage after a commit (a disk, a careless hand): each commit first renames the committed state
+to ``state.hx.1``, so the last two generations are kept, each tagged. A start that finds
+``state.hx`` damaged (its tag, its size) or missing takes ``state.hx.1`` and brings it forward by
+the events logged after it -- the ledger, the counters and the version follow them, the master
+is the weights version they reach (published before the events were logged), the rule's slots
+stay the older generation's -- commits that at once, moves the damaged file to
+``applier/rejected/`` and says so in its log and in status.json (``recovered``); an update the
+lost generation had processed whose file is still pending is a duplicate, never applied twice.
+With no usable generation (both damaged, or the events log does not reach back to the older
+one) the applier raises ``StateLost``: ``python -m hpcdl.worker RUN --applier`` prints it as one
+line, writes status.json with ``phase`` "failed" and ``error``, and exits ``EXIT_USER_ERROR``,
+which no restart retries and the run's exit status reports.
+
 Only one applier may run per exchange directory: it holds an exclusive ``flock`` on
 ``applier/lock`` (released by the kernel on kill -9). Where the file system has no flock (Lustre
 mounted without ``-o flock``), a warning is logged and single-instance is the operator's job.
@@ -98,7 +111,8 @@ dropped | rejected | duplicate | vanished | init | adopted), ``group``, ``seq``,
 ``staleness``, ``version``, ``scale``, ``reason``, ``file`` (those that apply).
 ``applier/status.json`` (replaced atomically at each commit and every ``status_interval`` s when
 idle): ``phase``, ``master_version``, ``counts``, ``backlog``, ``staleness`` {count, mean, max}, ``groups`` {group: {updates, staleness_mean, staleness_max}},
-``last_apply_time``, ``last_seq`` per group, ``pid``, ``host``, ``updated``.
+``last_apply_time``, ``last_seq`` per group, ``pid``, ``host``, ``error`` (why it failed),
+``recovered`` (how it came back from a damaged state), ``updated``.
 
 Signals (``hpcdl.worker``'s applier process): SIGTERM and SIGINT make it finish the update in
 progress, commit, and exit 0; SIGUSR1 (SLURM's warning before the time limit) the same, then it
@@ -108,5 +122,6 @@ asks to be requeued.
 from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.ledger import Ledger
 from hpcdl.applier.server import AlreadyRunning, Applier
+from hpcdl.applier.state import StateLost
 
-__all__ = ["AlreadyRunning", "Applier", "ApplierConfig", "Ledger"]
+__all__ = ["AlreadyRunning", "Applier", "ApplierConfig", "Ledger", "StateLost"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.rules import make_rule
-from hpcdl.applier.state import DurableState, new_stats
+from hpcdl.applier.state import DurableState, StateLost, new_stats
 from hpcdl.exchange import ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, UpdateRef
 from hpcdl.files import append_jsonl, atomic_write_bytes, read_jsonl
 from hpcdl.storage import StorageReport, is_storage_full
@@ -70,6 +70,7 @@ class Applier:
         self._lock_fd = self._acquire_lock() if lock else None
         self.storage = StorageReport(self.ch.storage_path, self.ch.access)
         self._healthy = False  # True once the durable state is loaded and consistent
+        self._failure: str | None = None  # why no durable state can be used (StateLost)
         try:
             self._recover()
         except BaseException:
@@ -94,6 +95,11 @@ class Applier:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    @property
+    def healthy(self) -> bool:
+        """False while the durable state is to be reloaded (after an I/O error: a full disk)."""
+        return self._healthy
 
     @property
     def counts(self) -> dict[str, int]:
@@ -195,7 +201,7 @@ class Applier:
         finally:
             try:
                 self.ch.clean_stale_temporaries(self.config.temp_max_age_s)  # leave no dead writer's
-                self._write_status(phase="stopped")
+                self._write_status(phase="failed" if self._failure else "stopped")
             except OSError:
                 log.exception("could not write the final status")
         return handled
@@ -378,7 +384,15 @@ class Applier:
     def _recover(self) -> None:
         """Load the durable state and finish whatever the last run left half done."""
         self._healthy = False
-        self._recover_state()
+        try:
+            self._recover_state()
+        except StateLost as e:
+            self._failure = str(e)
+            try:
+                self._write_status(phase="failed")
+            except OSError:
+                pass  # the error still reaches the log and the exit code
+            raise
         self._healthy = True
 
     def _recover_state(self) -> None:
@@ -388,8 +402,8 @@ class Applier:
         self.ch.clean_stale_temporaries(0.0, dirs=[self.ch.applier_dir, self.ch.weights_dir])
         self.ch.clean_stale_temporaries(self.config.temp_max_age_s)
         self._logged_event_id = self._last_logged_event_id()
-        if self.ch.state_path.exists():
-            self.state = DurableState.load(self.ch, self.config.optimizer, self.rule.slots)
+        if self.ch.state_path.exists() or self.ch.previous_state_path.exists():
+            self.state = self._load_newest_good_state()
             assert self.state.version is not None
             # Events logged before any state existed (rejected proposals) keep their ids.
             self.state.event_id = max(self.state.event_id, self._logged_event_id)
@@ -426,6 +440,99 @@ class Applier:
             self._commit(batch, publish=True)
         else:
             self._write_status()
+
+    def _load_newest_good_state(self) -> DurableState:
+        """The newest generation that reads back whole; an older one is brought forward with
+        the events logged after it (which the ledger, the counters and the version follow) and
+        the weights those events published, then committed at once. StateLost if none can be."""
+        damaged = []
+        for path in (self.ch.state_path, self.ch.previous_state_path):
+            try:
+                state = DurableState.load(self.ch, self.config.optimizer, self.rule.slots, path)
+            except FileNotFoundError:
+                damaged.append(f"{path.name} is missing")
+                continue
+            except CorruptFile as e:
+                damaged.append(f"{path.name} is damaged ({e})")
+                continue
+            if path == self.ch.state_path:
+                return state
+            older = state.version
+            replayed = self._replay_events(state, "; ".join(damaged))
+            if self.ch.state_path.exists():
+                self.ch.quarantine(self.ch.state_path)  # kept for inspection, not rotated over the good one
+            elif not replayed:
+                return state  # killed between the two renames of a commit: nothing was lost
+            state.recovered = (f"{'; '.join(damaged)}: recovered from {path.name} (version {older}) "
+                               f"and the {replayed} events logged after it: version {state.version}, "
+                               f"{len(state.ledger)} updates processed")
+            log.warning("applier state: %s", state.recovered)
+            self.state = state
+            self._save_state()
+            return state
+        raise StateLost(f"no usable applier state in {self.ch.applier_dir}: {'; '.join(damaged)}; "
+                        "the master cannot go on without applying updates twice")
+
+    def _replay_events(self, state: DurableState, why: str) -> int:
+        """Bring an older generation forward by the events logged after it: the events of the
+        batches committed since (their weights are published before their events are logged).
+        The rule's slots stay the older generation's. Returns how many events were replayed."""
+        replayed = applied = 0
+        for ev in self._logged_events(state.event_id):
+            if ev["event_id"] != state.event_id + 1:
+                raise StateLost(f"{why}; the events log misses events {state.event_id + 1} to "
+                                f"{ev['event_id'] - 1}: the older state cannot be brought forward")
+            state.event_id = ev["event_id"]
+            replayed += 1
+            kind, group, seq = ev.get("event"), ev.get("group"), ev.get("seq")
+            if kind in ("applied", "dropped"):
+                staleness = int(ev.get("staleness") or 0)
+                for st in (state.staleness, state.group_staleness.setdefault(str(group), new_stats())):
+                    st["count"] += 1
+                    st["sum"] += staleness
+                    st["max"] = max(st["max"], staleness)
+                state.ledger.add(group, seq)
+                if kind == "dropped":
+                    state.counters["dropped_stale"] += 1
+                    continue
+                state.counters["applied"] += 1
+                applied += 1
+                if self.config.max_staleness is not None and staleness > self.config.max_staleness:
+                    state.counters["downweighted"] += 1
+                state.t += 1
+                state.version = ev["version"]
+                state.last_apply_time = ev["time"]
+            elif kind == "rejected":
+                if group is not None and seq is not None:
+                    state.counters["rejected_invalid"] += 1
+                    state.ledger.add(group, seq)
+                else:
+                    state.counters["rejected_corrupt"] += 1
+                if ev.get("file"):  # the post-commit move may not have happened
+                    state.last_batch["reject"].append(f"updates/{ev['file']}")
+            elif kind in ("duplicate", "vanished"):
+                state.counters["duplicates" if kind == "duplicate" else "vanished"] += 1
+            else:
+                raise StateLost(f"{why}; the events log holds a {kind!r} event after the older "
+                                "state: it cannot be brought forward")
+        if applied:
+            try:
+                _, tensors = self.ch.read_weights(state.version)
+            except (OSError, CorruptFile) as e:
+                raise StateLost(f"{why}; the weights of version {state.version}, which the events "
+                                f"log reaches, cannot be read ({e})") from None
+            if set(tensors) != set(state.weights):
+                raise StateLost(f"{why}; the weights of version {state.version} are not the master's")
+            state.weights = {k: np.array(tensors[k], copy=True, order="C") for k in state.weights}
+        return replayed
+
+    def _logged_events(self, after: int):
+        """The events logged with an id above ``after``, oldest first (rotated file first; the
+        newest lines of each, which hold them: the caller checks that none is missing)."""
+        for path in (self._rotated_events_path, self.ch.events_path):
+            for ev in read_jsonl(path):
+                if type(ev.get("event_id")) is int and ev["event_id"] > after:
+                    yield ev
 
     # -- events, status, lock ------------------------------------------------------------------
 
@@ -469,6 +576,7 @@ class Applier:
                            "staleness_mean": gs["sum"] / gs["count"] if gs["count"] else None}
                        for g, gs in sorted(self.state.group_staleness.items(), key=lambda kv: int(kv[0]))},
             "processed": len(self.state.ledger), "pid": os.getpid(), "host": socket.gethostname(),
+            "error": self._failure, "recovered": self.state.recovered,
             "cpu_per_update_s": self.cpu_seconds / self.cpu_updates if self.cpu_updates else None,
             "updated": time.time(),
         }

@@ -2,6 +2,8 @@
 
 Saved once per committed batch (exchange format, kind "state", published atomically) and loaded
 first on every start; the package docstring says why that makes every update apply exactly once.
+The generation committed before it is kept beside it (``state.hx.1``), each tagged alike: a
+state damaged after its commit (a disk, a careless hand) leaves one to recover from.
 """
 
 from __future__ import annotations
@@ -9,13 +11,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import os
+from pathlib import Path
+
 import numpy as np
 
 from hpcdl.applier.ledger import Ledger
-from hpcdl.exchange import Channel, read_file, write_file
+from hpcdl.exchange import Channel, CorruptFile, read_file, write_file
 
 COUNTERS = ("applied", "dropped_stale", "downweighted", "rejected_corrupt", "rejected_invalid",
             "duplicates", "vanished", "rejected_proposals")
+
+
+class StateLost(CorruptFile):
+    """No committed generation of the applier state can be used: one line that says why."""
 
 
 def new_stats() -> dict[str, int]:
@@ -43,6 +52,7 @@ class DurableState:
     event_id: int = 0
     last_batch: dict[str, list[Any]] = field(default_factory=_empty_batch)
     last_apply_time: float | None = None
+    recovered: str | None = None  # how this state was recovered from a damaged one, if it was
 
     def adopt(self, tensors: Mapping[str, np.ndarray], version: int, slot_names: tuple[str, ...]) -> None:
         """New master weights (copied) with fresh slots."""
@@ -62,15 +72,22 @@ class DurableState:
             "counters": self.counters, "staleness": self.staleness, "event_id": self.event_id,
             "group_staleness": self.group_staleness,
             "last_batch": self.last_batch, "last_apply_time": self.last_apply_time,
+            "recovered": self.recovered,
         }
+        try:  # the committed state becomes the previous generation; a crash here leaves only it
+            os.replace(channel.state_path, channel.previous_state_path)
+        except FileNotFoundError:
+            pass
         write_file(channel.state_path, run_id=channel.run_id, kind="state", tensors=tensors,
                    signer=channel.signer, version=self.version, meta=meta, fsync=channel.fsync,
                    access=channel.access)
 
     @classmethod
-    def load(cls, channel: Channel, optimizer: str, slot_names: tuple[str, ...]) -> "DurableState":
-        """The saved state; ValueError if another update rule wrote it (its slots would not fit)."""
-        header, tensors = read_file(channel.state_path, run_id=channel.run_id,
+    def load(cls, channel: Channel, optimizer: str, slot_names: tuple[str, ...],
+             path: Path | None = None) -> "DurableState":
+        """The saved state (``path``: one generation, by default the newest); CorruptFile if it
+        is damaged, ValueError if another update rule wrote it (its slots would not fit)."""
+        header, tensors = read_file(path or channel.state_path, run_id=channel.run_id,
                                     signer=channel.signer, kinds=("state",))
         meta = header["meta"]
         if meta["optimizer"] != optimizer:
@@ -84,6 +101,7 @@ class DurableState:
             t=meta["t"], ledger=Ledger.from_array(tensors["ledger"]),
             group_staleness=meta.get("group_staleness", {}), event_id=meta["event_id"],
             last_batch=meta["last_batch"], last_apply_time=meta["last_apply_time"],
+            recovered=meta.get("recovered"),
         )
         state.counters.update(meta["counters"])
         state.staleness.update(meta["staleness"])

@@ -30,7 +30,9 @@ from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.engine.tuning import precision_policy
 from hpcdl.runs import MANIFEST, State, append_jsonl, write_json_atomic
-from hpcdl.storage import StorageReport, attempt, save_checkpoint
+from hpcdl.storage import FinalSaveFailed, StorageReport, attempt, recorded_checkpoint, save_checkpoint
+
+FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between tries of the last checkpoint and state
 
 
 
@@ -65,6 +67,9 @@ class GroupSync(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Root only: counters for the metrics line (publishes, adoptions, version, seconds)."""
+
+    def flush(self) -> bool:
+        """Root only: publish the updates held back (a full disk); False while they cannot be."""
 
 
 def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape, model) -> None:
@@ -103,12 +108,15 @@ class _Recorder:
         self._scalars(step, {k: line[k] for k in ("loss", "images_per_s", "flops_per_s_group")})
         self.state({"state": State.RUNNING, **line})
 
-    def state(self, doc: dict[str, Any]) -> None:
-        attempt(self.storage, "state", write_json_atomic, self.paths.state, doc)
+    def state(self, doc: dict[str, Any]) -> bool:
+        return attempt(self.storage, "state", write_json_atomic, self.paths.state, doc)
 
     def checkpoint(self, manager, step: int) -> None:
         # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.
         save_checkpoint(self.storage, lambda: manager.save(checkpoint_number=step), self.paths.checkpoints, step)
+
+    def has_checkpoint(self, step: int) -> bool:
+        return recorded_checkpoint(self.paths.checkpoints) == f"ckpt-{step}"
 
     def close(self) -> None:
         attempt(self.storage, "tensorboard", self.writer.flush)
@@ -169,6 +177,11 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         _assign(variables, names, start)
     # Every rank starts from rank 0's weights, whatever each built or restored.
     hvd.broadcast_variables(variables, root_rank=0)
+    if rank == 0 and manager.latest_checkpoint:
+        version = sync.stats().get("exchange_version") if sync is not None else None
+        print(f"hpcdl group {group}: resumed from checkpoint {resumed_from}" + (
+            "" if version is None else f", master version {version}" if version >= 0
+            else ", no master version yet (its own weights)"), flush=True)
 
     recorder = None
     if rank == 0:
@@ -263,10 +276,39 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     digests = hvd.allgather(tf.constant([weights_digest(variables)], tf.int64), name="replica_digests").numpy()
     if rank == 0:
         recorder.close()
-        final = last or {"step": int(step.numpy()), **(report or {})}
-        recorder.state({"state": State.STOPPED if stopped else State.FINISHED, **final,
-                        "replicas_identical": bool((digests == digests[0]).all())})
+    final = {**(last or report or {}), "step": int(step.numpy()),
+             "state": State.STOPPED if stopped else State.FINISHED,
+             "replicas_identical": bool((digests == digests[0]).all())}
+    _save_the_end(hvd, recorder, manager, final, job.train.final_save_retry_s, sync if exchange else None)
     return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
+
+
+def _save_the_end(hvd, recorder: _Recorder | None, manager, final: dict[str, Any], retry_s: float,
+                  sync: GroupSync | None) -> None:
+    """No group says it ended before its last checkpoint, its held updates and its final state
+    are written: on a full disk rank 0 tries again with back-off for up to ``retry_s``, then every
+    rank raises FinalSaveFailed. Rank 0 decides each round and the group agrees on it in one
+    collective, so no rank waits in a collective another has left."""
+    deadline, tries = time.monotonic() + retry_s, 0
+    while True:
+        verdict = 1  # 1: written; 0: try again; -1: give up
+        if recorder is not None:
+            if not recorder.has_checkpoint(final["step"]):
+                recorder.checkpoint(manager, final["step"])
+            flushed = sync is None or sync.flush()
+            if sync is not None:
+                final.update(sync.stats())
+            written = flushed and recorder.has_checkpoint(final["step"]) and recorder.state(final)
+            verdict = 1 if written else 0 if time.monotonic() < deadline else -1
+        verdict = int(hvd.allreduce(tf.constant([verdict], tf.int32), op=hvd.Min, name="end_saved").numpy()[0])
+        if verdict == 1:
+            return
+        if verdict < 0:
+            raise FinalSaveFailed(f"the checkpoint, held updates and state of step {final['step']} could not be written "
+                                  f"in {retry_s:g} s (train.final_save_retry_s): a full disk or quota; "
+                                  "the group resumes from its newest checkpoint")
+        time.sleep(FINAL_SAVE_BACKOFF_S[min(tries, len(FINAL_SAVE_BACKOFF_S) - 1)])
+        tries += 1
 
 
 def weights_digest(variables: list[tf.Variable]) -> int:

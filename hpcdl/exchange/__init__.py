@@ -49,6 +49,7 @@ Directory layout (owned by :class:`Channel`; ``root`` is one run's exchange dire
     root/weights/w-v<version:012>.hx            master weights version N (kind "weights")
     root/init/i-g<group:06>.hx                  a group's proposal of initial weights ("init")
     root/applier/state.hx                       the applier's durable state (kind "state")
+    root/applier/state.hx.1                     the state committed before it (recovery)
     root/applier/status.json                    small status summary, replaced atomically
     root/applier/events.jsonl                   append-only event log, one JSON object a line
     root/applier/rejected/                      files the applier refused, kept for inspection

@@ -135,6 +135,7 @@ class Channel:
         self.applier_dir = self.root / "applier"
         self.rejected_dir = self.applier_dir / "rejected"
         self.state_path = self.applier_dir / "state.hx"
+        self.previous_state_path = self.applier_dir / "state.hx.1"  # the generation before
         self.status_path = applier_status_file(self.root)
         self.storage_path = applier_storage_file(self.root)
         self.events_path = self.applier_dir / "events.jsonl"

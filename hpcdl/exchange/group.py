@@ -23,10 +23,10 @@ without it are rejected by the applier and by the groups.
 A publish that fails because the disk or the quota is full (ENOSPC, EDQUOT) leaves nothing behind
 (the channel removes its temporary) and does not stop training: the update is kept in memory and
 published, with the next sequence number, at the next exchange -- so sequence numbers stay
-contiguous and the applier's exactly-once ledger sees no gap. At most `max_pending_per_group`
-updates are kept (the oldest are dropped and counted, as the channel's backlog bound does on
-disk). The problem is recorded in the group's storage report (`hpcdl status` shows it) and
-cleared by the next successful publish.
+contiguous and the applier's exactly-once ledger sees no gap. The problem is recorded in the group's storage report (`hpcdl status` shows it) and
+cleared by the next successful publish. At most `max_pending_per_group` updates are held: once
+that many are, the root waits for space (retrying with back-off; training pauses, nothing is
+lost); with `exchange.drop_held_updates` it drops the oldest instead and trains on.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class ExchangeSync:
     def __init__(self, channels: Channel | list[Channel], group: int, every: int,
                  initial_wait_s: float = INITIAL_WAIT_S, report: StorageReport | None = None, *,
                  kind: str = "gradient", max_outstanding: int = 0, reply_timeout_s: float = 60.0,
-                 delta_dtype: str = "float32",
+                 delta_dtype: str = "float32", drop_held: bool = False,
                  on_partition: Callable[[Partition], Partition] | None = None):
         self.channels = [channels] if isinstance(channels, Channel) else list(channels)
         self.group = group
@@ -125,6 +125,7 @@ class ExchangeSync:
         self.unpublished: collections.deque[tuple[list[int], Arrays, set[int]]] = collections.deque()
         self.publish_failures = 0
         self.unpublished_dropped = 0
+        self.drop_held = drop_held  # the held updates' bound reached: drop the oldest, not wait
 
     @property
     def channel(self) -> Channel:
@@ -145,7 +146,7 @@ class ExchangeSync:
                     for k in range(x.shard_count)]
         return cls(channels, group, x.every, report=report,
                    kind=x.kind, max_outstanding=x.max_outstanding,
-                   reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype,
+                   reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype, drop_held=x.drop_held_updates,
                    on_partition=(lambda p: record_partition(run, job, p)) if x.shard_count > 1 else None)
 
     def initial_weights(self, names_and_values: Arrays) -> Arrays:
@@ -200,7 +201,7 @@ class ExchangeSync:
         else:
             update = grads()
         self.unpublished.append((list(self.versions), update, set()))
-        self.publish_pending()
+        self._publish_or_wait_for_space()
         if self.max_outstanding:
             self._await_replies()
         adopted = None
@@ -298,16 +299,37 @@ class ExchangeSync:
             self.report.succeeded("exchange publish")
         return True
 
+    def flush(self) -> bool:
+        """The engine's last call: publish what is held (False while the disk refuses)."""
+        return self.publish_pending()
+
+    def _publish_or_wait_for_space(self) -> None:
+        """Publish what is held; while the held updates fill their bound, wait for space (a
+        stop request ends the wait: the checkpoint comes first)."""
+        delay, start = 0.1, time.monotonic()
+        while not self.publish_pending() and not self.drop_held and len(self.unpublished) >= self._held_bound:
+            if self.interrupt is not None and self.interrupt():
+                break
+            time.sleep(delay)
+            delay = min(delay * 2, 10.0)
+        self.wait_seconds += time.monotonic() - start
+
+    @property
+    def _held_bound(self) -> int:
+        return min(ch.max_pending_per_group or DEFAULT_UNPUBLISHED for ch in self.channels)
+
     def _publish_failed(self, ch: Channel, exc: OSError) -> None:
         self.publish_failures += 1
-        bound = ch.max_pending_per_group or DEFAULT_UNPUBLISHED
-        while len(self.unpublished) > bound:
+        bound = self._held_bound
+        while self.drop_held and len(self.unpublished) > bound:
             self.unpublished.popleft()
             self.unpublished_dropped += 1
         if self.report is not None:
             self.report.failed("exchange publish", exc, path=ch.updates_dir,
                                detail=f"{len(self.unpublished)} updates held in memory, "
-                                      f"{self.unpublished_dropped} dropped")
+                                      f"{self.unpublished_dropped} dropped"
+                                      + ("" if self.drop_held or len(self.unpublished) < bound
+                                         else "; waiting for space"))
         else:
             log.warning("publish failed (%s); %d updates held", exc, len(self.unpublished))
 
@@ -316,7 +338,9 @@ class ExchangeSync:
             "exchange_kind": self.kind,
             "exchange_version": self.version,
             **({"exchange_shard_versions": list(self.versions)} if len(self.channels) > 1 else {}),
-            "exchange_published": self.published,
+            # over the run's life: sequence numbers run on across restarts and resumes
+            "exchange_published": self.seq,
+            "exchange_published_here": self.published,  # by this process, since the rank started
             "exchange_adopted": self.adopted,
             "exchange_seconds": self.seconds,
             "exchange_last_s": self.last_exchange,

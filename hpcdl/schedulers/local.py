@@ -39,6 +39,7 @@ from hpcdl.storage import StorageReport, attempt
 LOCAL_RANKS_PER_CORE = 5
 LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
 APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
+FULL_DISK_GRACE_S = 30.0  # after the last group, how long a full disk may hold the applier back
 
 
 def _open_log(path: Path, access: Access):
@@ -170,7 +171,7 @@ class Supervisor:
         })
 
     def run_until_done(self, on_tick: Callable[[], None] | None = None, interval: float = 0.5) -> bool:
-        """Run everything to the end; True if every group finished."""
+        """Run everything to the end; True if every group finished and no applier failed."""
         if self.appliers is not None:
             self.appliers.begin()
         try:
@@ -184,7 +185,8 @@ class Supervisor:
             self.shutdown(interval)
         if on_tick:
             on_tick()
-        return all(life.state == State.FINISHED for life in self.groups.values())
+        applier_failed = self.appliers is not None and self.appliers.failed
+        return all(life.state == State.FINISHED for life in self.groups.values()) and not applier_failed
 
     def _drain_applier(self, interval: float) -> None:
         """Every group has ended: the applier applies what is pending and ends by itself (see
@@ -192,12 +194,18 @@ class Supervisor:
         a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
         if self.appliers is None:
             return
-        try:
-            write_bytes_atomic(self.run.groups_ended_mark, b"")
-        except OSError:
-            pass  # a full disk: groups that finished still say so in their state
-        deadline = time.monotonic() + APPLIER_DRAIN_S
-        while self.appliers.poll(groups_active=False) and not self.stopping and time.monotonic() < deadline:
+        start = time.monotonic()
+        marked = False
+        while self.appliers.poll(groups_active=False) and not self.stopping and time.monotonic() < start + APPLIER_DRAIN_S:
+            if not marked:
+                try:
+                    write_bytes_atomic(self.run.groups_ended_mark, b"")
+                    marked = True
+                except OSError:
+                    # A full disk: the appliers cannot commit either. Past the grace they stop
+                    # (what they could not apply stays pending) rather than wait out the drain.
+                    if time.monotonic() - start > FULL_DISK_GRACE_S:
+                        self.appliers.request_stop()
             self.publish()
             time.sleep(interval)
 

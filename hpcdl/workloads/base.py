@@ -115,6 +115,10 @@ class Workload(ABC):
         """The workload's figures of merit on the first `limit` examples of `data` (a fixed
         subset), while training: small, quick, names without a prefix ("loss", "auc", ...)."""
 
+    def examples(self, data: Path) -> int | None:
+        """How many examples `evaluate` scores in `data` (its progress bar's total); None: unknown."""
+        return None
+
     @abstractmethod
     def evaluate(self, model, stats: dict[str, Any], data: Path, out_dir: Path,
                  scores_out: Path | None = None, progress=None) -> dict[str, Any]:

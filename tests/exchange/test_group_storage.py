@@ -96,9 +96,28 @@ def test_publish_with_an_injected_edquot_at_close(tmp_path, monkeypatch):
         break_disk=lambda: monkeypatch.setattr(files, "open", broken, raising=False))
 
 
-def test_held_updates_are_bounded(tmp_path, monkeypatch):
+def test_held_updates_wait_for_space_at_their_bound(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", max_pending_per_group=2)
     sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0)
+    real, calls = ch.publish_update, {"n": 0}
+
+    def full_for_five_tries(*a, **k):
+        calls["n"] += 1
+        if calls["n"] <= 5:
+            raise OSError(errno.ENOSPC, "full")
+        return real(*a, **k)
+
+    monkeypatch.setattr(ch, "publish_update", full_for_five_tries)
+    sync.after_step(1, lambda: W)
+    assert len(sync.unpublished) == 1 and calls["n"] == 1  # below the bound: training goes on
+    sync.after_step(2, lambda: W)  # at the bound: waits until the disk takes them
+    assert calls["n"] == 7 and not sync.unpublished and sync.unpublished_dropped == 0
+    assert sync.published == 2 and [r.seq for r in ch.pending_updates()] == [0, 1]
+
+
+def test_held_updates_past_the_bound_are_dropped_when_asked(tmp_path, monkeypatch):
+    ch = Channel(tmp_path / "x", "run", max_pending_per_group=2)
+    sync = ExchangeSync(ch, 0, every=1, initial_wait_s=0, drop_held=True)
 
     def broken(*a, **k):
         raise OSError(errno.ENOSPC, "full")

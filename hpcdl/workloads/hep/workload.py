@@ -127,6 +127,11 @@ class HepWorkload(Workload):
             out["tpr_at_selection_fpr"] = m.cnn_tpr_at_selection_fpr
         return out
 
+    def examples(self, data: Path) -> int | None:
+        from hpcdl.workloads.hep.layout import open_hep
+
+        return open_hep(data).n_events
+
     def evaluate(self, model, stats, data: Path, out_dir: Path, scores_out: Path | None = None,
                  progress=None) -> dict[str, Any]:
         from hpcdl.workloads.hep import metrics
