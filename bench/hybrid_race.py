@@ -14,9 +14,8 @@ by the straggler emulator (`[emulate]`, hpcdl.emulate): each rank-step lasts `--
 
 Tuned on equal terms: per scenario every configuration, the synchronous group included, first
 trains at three learning rates on a factor-2 grid (the synchronous group's own rate, the hybrid's
-applier's rate) on tuning seeds; the rate with the shortest time to AUC 0.90 is kept (the best AUC
-if none reaches it)
-(`learning_rate_sweep` records every rate's outcome). The race then runs on other seeds with the
+applier's rate) on tuning seeds; the rate with the shortest time to AUC 0.92 is kept (the best AUC
+held over two scores if none reaches it) (`learning_rate_sweep` records every rate's outcome). The race then runs on other seeds with the
 chosen rates; within a seed the synchronous run goes first (its best AUC is a target) and the
 hybrid configurations follow in an order that rotates with the seed, so the machine's load drift
 falls on all of them.
@@ -30,7 +29,7 @@ tuned synchronous run (median of the per-seed ratios and a bootstrap 95 % interv
 the AUC at fixed times, the applier's updates/s and staleness, the roots' share of training spent
 waiting for the applier. A run stops at the budget, or once it cannot change the answer: in the
 race once it reached every target and passed the last fixed time, in the sweep once it reached
-the highest target or is slower than the best rate so far. A PNG per scenario beside the JSON:
+AUC 0.92 or is slower to it than the best rate so far. A PNG per scenario beside the JSON:
 AUC against time, the median over seeds with its range as a band, the targets marked.
 
     .venv/bin/python -m bench.hybrid_race                       # scenarios a, b; sweep + 3 seeds
@@ -381,13 +380,15 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
 # -- choosing the rates ---------------------------------------------------------------------
 
 
-SWEEP_TARGET = TARGETS[0]
+# Above the plateau's edge: a seed may jump past 0.90 within its first steps (a first try hit
+# 0.917 at step 5), which says more about the draw than about the rate.
+SWEEP_TARGET = 0.92
 
 
 def sweep_key(res: Result):
-    """Smaller is better: the sweep's target reached, the sooner, then the best AUC."""
+    """Smaller is better: the sweep's target reached, the sooner, then the best AUC held."""
     v = res.times_to_target.get(f"{SWEEP_TARGET:g}")
-    return (0, v, -res.best_auc) if v is not None else (1, 0.0, -res.best_auc)
+    return (0, v, -res.held_auc) if v is not None else (1, 0.0, -res.held_auc)
 
 
 def sweep(args, files, scorer, scenario: str, configs: list[Config], results: list[Result]) -> dict:

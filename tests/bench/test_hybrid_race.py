@@ -19,10 +19,10 @@ def rising(until: float, top: float) -> list:
 
 
 def test_the_sweep_keeps_the_rate_that_reaches_the_target_first_else_the_best_auc():
-    slow = run("x", 100, {"0.9": 20.0}, rising(40, 0.94), "sweep", 1e-3)
-    fast = run("x", 100, {"0.9": 15.0}, rising(30, 0.92), "sweep", 2e-3)
-    never = run("x", 100, {"0.9": None}, rising(60, 0.89), "sweep", 4e-3)
-    diverged = run("x", 100, {"0.9": None}, rising(60, 0.5), "sweep", 8e-3)
+    slow = run("x", 100, {"0.92": 20.0}, rising(40, 0.94), "sweep", 1e-3)
+    fast = run("x", 100, {"0.92": 15.0}, rising(30, 0.92), "sweep", 2e-3)
+    never = run("x", 100, {"0.92": None}, rising(60, 0.89), "sweep", 4e-3)
+    diverged = run("x", 100, {"0.92": None}, rising(60, 0.5), "sweep", 8e-3)
     ranked = sorted([never, slow, diverged, fast], key=race.sweep_key)
     assert [r.rate for r in ranked] == [2e-3, 1e-3, 4e-3, 8e-3]
 
