@@ -18,13 +18,14 @@ def rising(until: float, top: float) -> list:
     return [(t, 0, round(0.8 + (top - 0.8) * t / until, 4)) for t in range(2, int(until) + 1, 2)]
 
 
-def test_the_sweep_keeps_the_rate_that_reaches_the_target_first_else_the_best_auc():
-    slow = run("x", 100, {"0.92": 20.0}, rising(40, 0.94), "sweep", 1e-3)
-    fast = run("x", 100, {"0.92": 15.0}, rising(30, 0.92), "sweep", 2e-3)
-    never = run("x", 100, {"0.92": None}, rising(60, 0.89), "sweep", 4e-3)
-    diverged = run("x", 100, {"0.92": None}, rising(60, 0.5), "sweep", 8e-3)
-    ranked = sorted([never, slow, diverged, fast], key=race.sweep_key)
-    assert [r.rate for r in ranked] == [2e-3, 1e-3, 4e-3, 8e-3]
+def test_the_sweep_keeps_the_rate_with_the_best_auc_over_the_window_not_the_first_lucky_jump():
+    steady = run("x", 100, {"0.92": 40.0}, rising(46, 0.94), "sweep", 1e-3)
+    lucky = run("x", 100, {"0.92": 2.0}, [(2, 0, 0.921)] + [(t, 0, 0.75) for t in range(4, 47, 2)],
+                "sweep", 2e-3)
+    faster = run("x", 100, {"0.92": 30.0}, rising(46, 0.96), "sweep", 4e-3)
+    diverged = run("x", 100, {"0.92": None}, [(t, 0, 0.5) for t in range(2, 47, 2)], "sweep", 8e-3)
+    ranked = sorted([lucky, steady, diverged, faster], key=race.sweep_key)
+    assert [r.rate for r in ranked] == [4e-3, 1e-3, 2e-3, 8e-3]
 
 
 def test_ratios_are_per_seed_against_the_tuned_sync_with_an_interval_over_seeds():
