@@ -12,17 +12,28 @@ by the straggler emulator (`[emulate]`, hpcdl.emulate): each rank-step lasts `--
   d  one rank killed                     shard 5 SIGKILLs itself 25 s in; its group restarts
                                          from its checkpoint (every 5 steps), the others go on
 
-Clocks start when the first group has logged its first 5 steps (start-up and first-step tracing,
-the same for all, are left out). The model is scored while it trains, on the whole validation file (fixed), every ~2 s: the
-synchronous group's newest checkpoint, or the applier's newest master weights. A run stops once
-it has reached the AUC target *and* (hybrid runs) the number of samples the synchronous run of the
-same scenario and seed needed, or at the budget. Reported per scenario and configuration, over
-seeds: wall time from the first training step to the target (median, range), its ratio to the
-synchronous run's, the AUC at the synchronous run's sample count, and the applier's updates/s
-and staleness (mean, p95). Results: bench/results/race-<date>.json.
+Tuned on equal terms: per scenario every configuration, the synchronous group included, first
+trains at three learning rates on a factor-2 grid (the synchronous group's own rate, the hybrid's
+applier's rate) on tuning seeds; the rate with the highest mean AUC at the fixed times is kept
+(`learning_rate_sweep` records every rate's outcome). The race then runs on other seeds with the
+chosen rates; within a seed the synchronous run goes first (its best AUC is a target) and the
+hybrid configurations follow in an order that rotates with the seed, so the machine's load drift
+falls on all of them.
 
-    .venv/bin/python bench/hybrid_race.py            # 3 seeds, every scenario (~25 min)
-    .venv/bin/python bench/hybrid_race.py --quick    # 1 seed
+Clocks start when the first group has logged its first 5 steps (start-up and first-step tracing,
+the same for all, are left out). The model is scored while it trains, on the whole validation
+file, every ~2 s: the synchronous group's newest checkpoint, or the applier's newest master
+weights. Reported per scenario and configuration, over the race seeds: the time to each target
+(AUC 0.90, 0.93, and the best the tuned synchronous run holds over two scores), the ratio to the
+tuned synchronous run (median of the per-seed ratios and a bootstrap 95 % interval over seeds),
+the AUC at fixed times, the applier's updates/s and staleness, the roots' share of training spent
+waiting for the applier. A run stops at the budget, or once it cannot change the answer: in the
+race once it reached every target and passed the last fixed time, the sweep runs to the last fixed time.
+A PNG per scenario beside the JSON:
+AUC against time, the median over seeds with its range as a band, the targets marked.
+
+    .venv/bin/python -m bench.hybrid_race                       # scenarios a, b; sweep + 3 seeds
+    .venv/bin/python -m bench.hybrid_race --quick --scenarios a # no sweep, 1 seed, short budget
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -38,14 +50,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import RESULTS, Probe, log, machine, result_path
+from bench.harness import HPCDL, Probe, log, machine, publish, result_path, write_result
 
-HPCDL = str(Path(sys.executable).with_name("hpcdl"))
+SUITE = "race"
 RANKS = 8
 BATCH = 8
 IMAGE = 32
 MODEL = {"filters": 16, "conv_layers": 4, "dropout": 0.0}
 SCORE_EVERY_S = 2.0
+TARGETS = (0.90, 0.93)  # and the tuned synchronous run's best ("sync best")
+FIXED_TIMES = (15.0, 30.0, 45.0)  # seconds of training: the AUC each configuration has then
+GRID = (0.5, 1.0, 2.0)  # the sweep: these multiples of a configuration's centre rate
+TRAIN_RATE = 1e-3  # the job's train.learning_rate (jobs/hep.toml)
 
 SCENARIOS = {
     "a": ("no variance", []),
@@ -60,12 +76,18 @@ SCENARIOS = {
 class Config:
     name: str
     groups: int
+    rate: float  # the sweep's centre
     exchange: tuple[str, ...] = ()
     update_steps: int = 1  # group steps behind one master version
 
     @property
     def group_size(self) -> int:
         return RANKS // self.groups
+
+    @property
+    def rate_field(self) -> str:
+        """The rate that matters: the synchronous group's own, a hybrid run's applier's."""
+        return "train.learning_rate" if self.groups == 1 else "exchange.learning_rate"
 
     def samples(self, version_or_step: int) -> int:
         """Training samples behind a sync checkpoint's step or a master version."""
@@ -80,42 +102,56 @@ RACED = ("exchange.max_staleness=64", "exchange.max_pending_per_group=64")
 
 def delta(groups: int, h: int, lr: float = 0.25) -> Config:
     """Async local SGD: H local steps, the delta averaged in by outer SGD (lr 2/G: see README)."""
-    return Config(f"{groups}x{RANKS // groups} delta H={h}", groups,
+    return Config(f"{groups}x{RANKS // groups} delta H={h}", groups, lr,
                   ('exchange.kind="delta"', f"exchange.every={h}", 'exchange.optimizer="sgd"',
-                   f"exchange.learning_rate={lr:g}", "exchange.max_outstanding=1", *RACED),
-                  update_steps=h)
+                   "exchange.max_outstanding=1", *RACED), update_steps=h)
 
 
-def gradient(groups: int, lr: float, outstanding: int, beta1: float) -> Config:
-    """The paper's: each group gradient one Adam step of the applier's."""
-    return Config(f"{groups}x{RANKS // groups} gradient", groups,
-                  ('exchange.kind="gradient"', 'exchange.optimizer="adam"', f"exchange.learning_rate={lr:g}",
-                   f"exchange.max_outstanding={outstanding}", f"exchange.momentum={beta1:g}", *RACED))
+def job_defaults(groups: int) -> Config:
+    """jobs/hep.toml's [exchange] as it ships; the sweep is centred on its applier's rate rule."""
+    return Config(f"{groups}x{RANKS // groups} job defaults", groups, TRAIN_RATE / groups ** 0.5)
 
 
-# The hybrid configurations are the best of each kind in the tuning runs (README, Figures): Adam
-# at about train.learning_rate / √G with no explicit momentum (asynchrony adds its own) and one
-# update in flight; the delta averaged in at twice the mean.
-# "job defaults" is jobs/hep.toml's [exchange] as it ships (the applier's rate from the rule).
-CONFIGS = [Config("1x8 sync", 1), gradient(8, 3e-4, 2, 0.0), gradient(4, 4e-4, 2, 0.0), delta(8, 4),
-           Config("8x1 job defaults", 8)]
+# The synchronous group's grid is centred one factor above the job's rate: a first check found
+# 2e-3 twice as fast as the job's 1e-3 and 4e-3 diverging, so the baseline gets its best chance.
+SYNC = Config("1x8 sync", 1, 2 * TRAIN_RATE)
+CONFIGS = [SYNC, job_defaults(8), job_defaults(2), delta(8, 4)]
+DEFAULT_CONFIGS = "1x8 sync,8x1 job defaults"  # the others on request (--configs): each costs 3 + seeds runs a scenario
+
+
 @dataclass
 class Result:
     scenario: str
     config: str
     seed: int
-    time_to_target_s: float | None = None
-    samples_at_target: int | None = None
-    auc_at_sync_samples: float | None = None
+    rate: float
+    phase: str  # "sweep" or "race"
+    times_to_target: dict = field(default_factory=dict)  # str(target) -> seconds or None
     best_auc: float = 0.0
+    held_auc: float = 0.0  # the best AUC held over two consecutive scores
     curve: list = field(default_factory=list)  # (seconds since the first step, samples, auc)
+    startup_s: float | None = None  # submit to the first group's first window
+    trained_s: float = 0.0
+    teardown_s: float = 0.0
     wall_s: float = 0.0
     updates_per_s: float | None = None
     staleness_mean: float | None = None
     staleness_p95: float | None = None
+    wait_share: float | None = None  # the roots' exchange wait / their training time (mean)
     restarts: int = 0
     load: tuple = ()  # the machine's load average before and after: other work shows here
-    note: str = ""
+    stopped: str = ""  # why the run ended
+
+
+@dataclass(frozen=True)
+class StopRule:
+    targets: dict[str, float]  # name -> AUC
+    budget: float
+    run_until: float = 0.0  # seconds of training a run goes on for at least
+
+
+def named(targets) -> dict[str, float]:
+    return {f"{t:g}": t for t in targets}
 
 
 def generated(work: Path, events: int) -> dict[str, Path]:
@@ -129,56 +165,121 @@ def generated(work: Path, events: int) -> dict[str, Path]:
     return files
 
 
-def snapshot(run_dir: Path, config: Config, keep: Path) -> tuple[Path, int] | None:
-    """The newest model of the run, hard-linked into `keep` (files are pruned as the run goes)."""
-    if config.groups == 1:
-        indexes = sorted(run_dir.glob("checkpoints/0/ckpt-*.index"),
-                         key=lambda p: int(p.name.split("-")[1].split(".")[0]))
-        if not indexes:
-            return None
-        step = int(indexes[-1].name.split("-")[1].split(".")[0])
-        prefix = indexes[-1].with_suffix("")
-        dest = keep / f"ckpt-{step}"
+class Watched:
+    """What the race reads of one run while it trains, through the run's own path owners."""
+
+    def __init__(self, root: Path, config: Config):
+        from hpcdl.runs import RunDir
+
+        self.run = RunDir(root)
+        self.config = config
+        self.job = self.run.load_job()
+        self._channel = None
+
+    @property
+    def channel(self):
+        from hpcdl.exchange import Channel
+
+        if self._channel is None:
+            self._channel = Channel(self.run.exchange_dir(self.job), self.run.run_id, create=False)
+        return self._channel
+
+    def snapshot(self, keep: Path) -> tuple[Path, int] | None:
+        """The newest model of the run, hard-linked into `keep` (files are pruned as the run goes)."""
+        if self.config.groups == 1:
+            steps = sorted(int(p.name[5:-6]) for p in self.run.checkpoint_dir(0).glob("ckpt-*.index"))
+            if not steps:
+                return None
+            prefix = self.run.checkpoint_dir(0) / f"ckpt-{steps[-1]}"
+            try:
+                for part in prefix.parent.glob(prefix.name + ".*"):
+                    os.link(part, keep / part.name)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                return None
+            return keep / prefix.name, steps[-1]
+        from hpcdl.exchange.channel import weights_name
+
         try:
-            for part in prefix.parent.glob(prefix.name + ".*"):
-                os.link(part, keep / part.name.replace(prefix.name, dest.name))
+            versions = self.channel.weight_versions()
+        except FileNotFoundError:
+            return None
+        if not versions:
+            return None
+        name = weights_name(versions[-1])
+        try:
+            os.link(self.channel.weights_dir / name, keep / name)
         except FileExistsError:
             pass
         except FileNotFoundError:
             return None
-        return dest, step
-    weights = sorted((run_dir / "exchange" / "weights").glob("w-v*.hx"))
-    if not weights:
-        return None
-    version = int(weights[-1].name[3:-3])
-    dest = keep / weights[-1].name
-    try:
-        os.link(weights[-1], dest)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        return None
-    return dest, version
+        return keep / name, versions[-1]
+
+    def last_lines(self) -> list[dict]:
+        out = []
+        for g in range(self.config.groups):
+            try:
+                lines = self.run.metrics_file(g).read_text().splitlines()
+                out.append(json.loads(lines[-1]))
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    def warmed_up(self) -> float | None:
+        """When the first group logged its first window (5 steps): start-up, Horovod's and
+        TensorFlow's first-step tracing are over. Every configuration's clock starts there."""
+        times = []
+        for g in range(self.config.groups):
+            try:
+                first = self.run.metrics_file(g).read_text().split("\n", 1)[0]
+                times.append(json.loads(first)["time"])
+            except (OSError, ValueError, KeyError):
+                continue
+        return min(times) if times else None
+
+    def figures(self, res: Result) -> None:
+        """The applier's rate and staleness, the roots' waiting and the restarts, after the run."""
+        if self.config.groups > 1:
+            try:
+                lines = self.channel.events_path.read_text().splitlines()
+            except (OSError, FileNotFoundError):
+                lines = []
+            applied = []
+            for line in lines:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == "applied":
+                    applied.append(ev)
+            if len(applied) >= 2:
+                span = applied[-1]["time"] - applied[0]["time"]
+                res.updates_per_s = (len(applied) - 1) / span if span > 0 else None
+                st = sorted(ev["staleness"] for ev in applied)
+                res.staleness_mean = statistics.fmean(st)
+                res.staleness_p95 = st[min(len(st) - 1, int(0.95 * len(st)))]
+            shares = [ln["exchange_wait_seconds"] / (ln["time"] - ln["train_start"])
+                      for ln in self.last_lines()
+                      if "exchange_wait_seconds" in ln and ln["time"] > ln.get("train_start", ln["time"])]
+            res.wait_share = statistics.fmean(shares) if shares else None
+        if self.run.local_state_file.is_file():
+            view = json.loads(self.run.local_state_file.read_text())
+            res.restarts = sum(g.get("restarts", 0) for g in view.get("groups", {}).values())
 
 
-def warmed_up(run_dir: Path, groups: int) -> float | None:
-    """When the first group logged its first window (5 steps): start-up, Horovod's and
-    TensorFlow's first-step tracing are over. Every configuration's clock starts there."""
-    times = []
-    for g in range(groups):
-        path = run_dir / "groups" / str(g) / "metrics.jsonl"
-        try:
-            first = path.read_text().split("\n", 1)[0]
-            times.append(json.loads(first)["time"])
-        except (OSError, ValueError, KeyError):
-            continue
-    return min(times) if times else None
+def held(curve) -> float:
+    """The best AUC held over two consecutive scores (one lucky score is not a level reached)."""
+    aucs = [a for _t, _n, a in curve]
+    if len(aucs) < 2:
+        return aucs[0] if aucs else 0.0
+    return max(min(x, y) for x, y in zip(aucs, aucs[1:]))
 
 
-def race_one(args, files, scorer, scenario: str, config: Config, seed: int,
-             sync_samples: int | None) -> Result:
-    res = Result(scenario, config.name, seed)
-    runs = args.work / "runs" / f"{scenario}-{config.name.replace(' ', '_')}-s{seed}"
+def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate: float, phase: str,
+             rule: StopRule) -> Result:
+    res = Result(scenario, config.name, seed, rate, phase, {k: None for k in rule.targets})
+    runs = args.work / "runs" / f"{phase}-{scenario}-{config.name.replace(' ', '_')}-s{seed}-r{rate:.3g}"
     shutil.rmtree(runs, ignore_errors=True)
     keep = runs / "snapshots"
     keep.mkdir(parents=True)
@@ -189,7 +290,7 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int,
         "train.validate_every=0",  # the race scores every model itself, from outside the run
         *(f"model.{k}={v}" for k, v in MODEL.items()),
         "emulate.enabled=true", f"emulate.step_seconds={args.step_seconds}", f"emulate.seed={seed}",
-        *SCENARIOS[scenario][1], *config.exchange,
+        *SCENARIOS[scenario][1], *config.exchange, f"{config.rate_field}={rate:.6g}",
     ]
     cmd = [HPCDL, "submit", "hep", "--backend", "local", "--nodes", str(RANKS), "--group-size",
            str(config.group_size), "--runs-dir", str(runs), "--json"]
@@ -199,128 +300,149 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int,
     load_before = os.getloadavg()[0]
     with open(runs / "submit.log", "w") as out:
         proc = subprocess.Popen(cmd, cwd=args.work, stdout=out, stderr=subprocess.STDOUT)
-    run_dir, start, last_score, done = None, None, 0.0, False
-    stats = None
+    watched: Watched | None = None
+    start, last_score, stats = None, 0.0, None
     while proc.poll() is None:
         time.sleep(0.25)
-        if run_dir is None:
-            found = [p for p in runs.iterdir() if p.name.startswith("hep-")]
-            run_dir = found[0] if found else None
+        if watched is None:
+            found = [p for p in runs.iterdir() if p.name.startswith("hep-") and (p / "job.toml").is_file()]
+            if found:
+                try:
+                    watched = Watched(found[0], config)
+                except (OSError, ValueError):
+                    watched = None
             continue
         if start is None:
-            start = warmed_up(run_dir, config.groups)
-        if stats is None and (run_dir / "stats.json").is_file():
-            stats = json.loads((run_dir / "stats.json").read_text())
+            start = watched.warmed_up()
+            if start is not None:
+                res.startup_s = start - t0
+        if stats is None and watched.run.stats_file.is_file():
+            stats = json.loads(watched.run.stats_file.read_text())
         now = time.time()
-        if start is not None and now - start > args.budget:
-            res.note = f"budget {args.budget:.0f} s"
-            done = True
-        elif start is not None and stats is not None and now - last_score >= SCORE_EVERY_S:
-            snap = snapshot(run_dir, config, keep)
+        if start is None or stats is None:
+            continue
+        elapsed = now - start
+        if elapsed > rule.budget:
+            res.stopped = f"budget {rule.budget:.0f} s"
+        elif now - last_score >= SCORE_EVERY_S:
+            snap = watched.snapshot(keep)
             if snap is not None:
-                seen = time.time()
-                last_score = seen
+                last_score = time.time()
                 auc = scorer.ask(op="auc", snapshots=[str(snap[0])], stats=stats, model=MODEL,
                                  input_shape=[IMAGE, IMAGE, 3], data=[str(files["val"])],
-                                 run_dir=str(run_dir))["results"][0]["auc_unweighted"]
-                samples = config.samples(snap[1])
-                res.curve.append((round(seen - start, 2), samples, round(auc, 4)))
+                                 run_dir=str(watched.run.root))["results"][0]["auc_unweighted"]
+                seen = last_score - start
+                res.curve.append((round(seen, 2), config.samples(snap[1]), round(auc, 4)))
                 res.best_auc = max(res.best_auc, auc)
-                if auc >= args.target and res.time_to_target_s is None:
-                    res.time_to_target_s, res.samples_at_target = seen - start, samples
-                if sync_samples is not None and res.auc_at_sync_samples is None and samples >= sync_samples:
-                    res.auc_at_sync_samples = auc
-                if res.time_to_target_s is not None and (sync_samples is None or samples >= sync_samples):
-                    done = True
-        if done:
-            subprocess.run([HPCDL, "cancel", str(run_dir)], capture_output=True, cwd=args.work)
+                for key, t in rule.targets.items():
+                    if auc >= t and res.times_to_target[key] is None:
+                        res.times_to_target[key] = round(seen, 2)
+                reached = all(v is not None for v in res.times_to_target.values())
+                if reached and seen >= rule.run_until:
+                    res.stopped = "every target reached"
+        if res.stopped:
+            res.trained_s = time.time() - start
             break
+    stop_at = time.time()
+    if proc.poll() is None:
+        subprocess.run([HPCDL, "cancel", str(watched.run.root)], capture_output=True, cwd=args.work)
     try:
         proc.wait(timeout=120)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
+    res.teardown_s = time.time() - stop_at
     res.wall_s = time.time() - t0
     res.load = (round(load_before, 1), round(os.getloadavg()[0], 1))
-    if config.groups == 1:
-        res.auc_at_sync_samples = res.auc_at_sync_samples or _auc_at(res.curve, res.samples_at_target)
-    if run_dir is not None:
-        applier_figures(run_dir, res, start)
-        local = run_dir / "scheduler" / "local.json"
-        if local.is_file():
-            view = json.loads(local.read_text())
-            res.restarts = sum(g.get("restarts", 0) for g in view.get("groups", {}).values())
-    if run_dir is not None and not args.keep_runs:
-        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+    res.held_auc = held(res.curve)
+    if watched is not None:
+        watched.figures(res)
+        if not args.keep_runs:
+            shutil.rmtree(watched.run.root / "checkpoints", ignore_errors=True)
+    if not args.keep_runs:
         shutil.rmtree(keep, ignore_errors=True)
-    log(f"  {scenario} {config.name} seed {seed}: "
-        + (f"AUC {args.target} at {res.time_to_target_s:.1f} s ({res.samples_at_target} samples)"
-           if res.time_to_target_s is not None else f"target not reached (best {res.best_auc:.3f})")
-        + (f", AUC at sync's samples {res.auc_at_sync_samples:.4f}" if res.auc_at_sync_samples else "")
-        + (f", staleness {res.staleness_mean:.1f}/{res.staleness_p95:.0f}" if res.staleness_mean is not None else "")
-        + (f", restarts {res.restarts}" if res.restarts else "") + (f" [{res.note}]" if res.note else ""))
+    reached = ", ".join(f"{t} at {v:.0f} s" for t, v in res.times_to_target.items() if v is not None)
+    log(f"  {phase} {scenario} {config.name} seed {seed} rate {rate:.3g}: "
+        + (f"AUC {reached}" if reached else "no target") + f", best {res.best_auc:.3f}"
+        + (f", stale {res.staleness_mean:.1f}/{res.staleness_p95:.0f}" if res.staleness_mean is not None else "")
+        + (f", wait {100 * res.wait_share:.1f} %" if res.wait_share is not None else "")
+        + (f", restarts {res.restarts}" if res.restarts else "")
+        + f"; start-up {res.startup_s or 0:.0f} s, trained {res.trained_s:.0f} s, teardown "
+          f"{res.teardown_s:.0f} s [{res.stopped or 'ended'}]")
     return res
 
 
-def _auc_at(curve, samples):
-    if samples is None:
+# -- choosing the rates ---------------------------------------------------------------------
+
+
+SWEEP_TARGET = 0.92
+
+
+def sweep_key(res: Result):
+    """Smaller is better: the mean AUC at the fixed times, higher first; then the time to AUC 0.92.
+
+    Not the time to a target alone: training sits on a plateau near AUC 0.72 for a time that
+    depends on the seed, and some seeds jump past 0.92 within their first steps at any rate (the
+    first sweeps' tuning seed did), so the first to a target says more about the draw than the
+    rate; the AUC over the whole window does not.
+    """
+    at = [auc_at(res.curve, t) for t in FIXED_TIMES]
+    mean = statistics.fmean(a if a is not None else 0.5 for a in at)
+    v = res.times_to_target.get(f"{SWEEP_TARGET:g}")
+    return (-round(mean, 4), v if v is not None else float("inf"))
+
+
+def sweep(args, files, scorer, scenario: str, configs: list[Config], results: list[Result]) -> dict:
+    """Every configuration at every rate of the grid on the tuning seeds, interleaved rate by rate."""
+    rates = {c.name: [c.rate * m for m in GRID] for c in configs}
+    window = max(FIXED_TIMES) + SCORE_EVERY_S  # what the sweep's key reads, and no more
+    for seed in args.tuning_seeds:
+        for i in range(len(GRID)):
+            for c in configs:
+                rule = StopRule(named([SWEEP_TARGET]), window, run_until=window)
+                results.append(race_one(args, files, scorer, scenario, c, seed, rates[c.name][i], "sweep", rule))
+    chosen = {}
+    for c in configs:
+        tried = [r for r in results if r.phase == "sweep" and r.scenario == scenario and r.config == c.name]
+        by_rate = {}
+        for rate in rates[c.name]:
+            rs = [r for r in tried if r.rate == rate]
+            by_rate[rate] = min((sweep_key(r) for r in rs), default=(0.0, float("inf")))
+        chosen[c.name] = min(by_rate, key=lambda rate: by_rate[rate])
+    return chosen
+
+
+# -- the summary ----------------------------------------------------------------------------
+
+
+def auc_at(curve, t: float) -> float | None:
+    """The AUC of the newest score at or before `t` seconds (None if the run stopped before)."""
+    if not curve or curve[-1][0] < t - SCORE_EVERY_S:
         return None
-    for _t, n, auc in curve:
-        if n >= samples:
-            return auc
-    return None
+    before = [a for s, _n, a in curve if s <= t]
+    return before[-1] if before else None
 
 
-def applier_figures(run_dir: Path, res: Result, start: float | None) -> None:
-    events_path = run_dir / "exchange" / "applier" / "events.jsonl"
-    if not events_path.is_file():
-        return
-    applied = []
-    for line in events_path.read_text().splitlines():
-        try:
-            ev = json.loads(line)
-        except ValueError:
-            continue
-        if ev.get("event") == "applied":
-            applied.append(ev)
-    if len(applied) < 2:
-        return
-    span = applied[-1]["time"] - applied[0]["time"]
-    res.updates_per_s = (len(applied) - 1) / span if span > 0 else None
-    st = sorted(ev["staleness"] for ev in applied)
-    res.staleness_mean = statistics.fmean(st)
-    res.staleness_p95 = st[min(len(st) - 1, int(0.95 * len(st)))]
+def bootstrap(ratios: list[float], reps: int = 4000, seed: int = 0) -> list[float] | None:
+    """A 95 % percentile interval of the geometric mean of the per-seed ratios, seeds resampled."""
+    if len(ratios) < 2:
+        return None
+    rng = random.Random(seed)
+    logs = [_log(r) for r in ratios]
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(reps))
+    return [round(_exp(means[int(0.025 * reps)]), 3), round(_exp(means[int(0.975 * reps) - 1]), 3)]
 
 
-def summarise(results: list[Result], configs: list[Config], scenarios: list[str]) -> dict:
-    out: dict = {}
-    for sc in scenarios:
-        sync = [r for r in results if r.scenario == sc and r.config == configs[0].name]
-        sync_t = [r.time_to_target_s for r in sync if r.time_to_target_s is not None]
-        sync_med = statistics.median(sync_t) if sync_t else None
-        sync_auc = [r.auc_at_sync_samples for r in sync if r.auc_at_sync_samples is not None]
-        out[sc] = {"scenario": SCENARIOS[sc][0], "configs": {}}
-        for c in configs:
-            rs = [r for r in results if r.scenario == sc and r.config == c.name]
-            if not rs:
-                continue
-            ts = [r.time_to_target_s for r in rs if r.time_to_target_s is not None]
-            aucs = [r.auc_at_sync_samples for r in rs if r.auc_at_sync_samples is not None]
-            med = statistics.median(ts) if len(ts) == len(rs) else None
-            entry = {
-                "seeds": len(rs), "reached": len(ts),
-                "time_to_target_s": med,
-                "time_to_target_range_s": [min(ts), max(ts)] if ts else None,
-                "ratio_to_sync": med / sync_med if (med and sync_med) else None,
-                "auc_at_sync_samples": statistics.median(aucs) if aucs else None,
-                "auc_gap_to_sync": (statistics.median(aucs) - statistics.median(sync_auc))
-                if (aucs and sync_auc) else None,
-                "updates_per_s": _median([r.updates_per_s for r in rs]),
-                "staleness_mean": _median([r.staleness_mean for r in rs]),
-                "staleness_p95": _median([r.staleness_p95 for r in rs]),
-                "best_auc": max(r.best_auc for r in rs),
-            }
-            out[sc]["configs"][c.name] = entry
-    return out
+def _log(x: float) -> float:
+    import math
+
+    return math.log(x)
+
+
+def _exp(x: float) -> float:
+    import math
+
+    return math.exp(x)
 
 
 def _median(xs):
@@ -328,100 +450,235 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def render(summary: dict, target: float) -> str:
-    lines = [f"time from the first step to validation AUC {target} (median over seeds [range]); "
-             "ratio to 1x8 sync; AUC at sync's sample count; applier updates/s; staleness mean/p95"]
+def summarise(results: list[Result], configs: list[Config], scenarios: list[str], chosen: dict,
+              sweeps: dict) -> dict:
+    out: dict = {}
+    for sc in scenarios:
+        race = [r for r in results if r.scenario == sc and r.phase == "race"]
+        sync = {r.seed: r for r in race if r.config == SYNC.name}
+        sync_best = {s: r.held_auc for s, r in sync.items()}
+        out[sc] = {"scenario": SCENARIOS[sc][0], "seeds": sorted(sync),
+                   "sync_best_auc": {str(s): v for s, v in sync_best.items()},
+                   "targets": [f"{t:g}" for t in TARGETS] + ["sync best"], "fixed_times_s": list(FIXED_TIMES),
+                   "configs": {}}
+        for c in configs:
+            rs = [r for r in race if r.config == c.name]
+            if not rs:
+                continue
+            entry: dict = {"learning_rate": chosen.get(sc, {}).get(c.name), "rate_field": c.rate_field,
+                           "learning_rate_sweep": sweeps.get(sc, {}).get(c.name, []),
+                           "seeds": len(rs), "targets": {}}
+            for key in [f"{t:g}" for t in TARGETS] + ["sync best"]:
+                ts = {r.seed: r.times_to_target.get(key) for r in rs}
+                reached = [v for v in ts.values() if v is not None]
+                ratios = [ts[s] / sync[s].times_to_target[key] for s in ts
+                          if s in sync and ts[s] is not None and sync[s].times_to_target.get(key)]
+                entry["targets"][key] = {
+                    "reached": len(reached),
+                    "time_s": statistics.median(reached) if len(reached) == len(rs) else None,
+                    "time_range_s": [min(reached), max(reached)] if reached else None,
+                    "per_seed_s": {str(s): v for s, v in ts.items()},
+                    "ratio_to_sync": round(statistics.median(ratios), 3)
+                    if ratios and len(ratios) == len(rs) else None,
+                    "ratio_per_seed": [round(x, 3) for x in ratios],
+                    "ratio_ci95": bootstrap(ratios) if len(ratios) == len(rs) else None,
+                }
+            entry["auc_at_s"] = {f"{t:g}": _median([auc_at(r.curve, t) for r in rs]) for t in FIXED_TIMES}
+            entry["auc_at_s_range"] = {f"{t:g}": _range([auc_at(r.curve, t) for r in rs]) for t in FIXED_TIMES}
+            entry.update({
+                "best_auc": max(r.best_auc for r in rs),
+                "updates_per_s": _median([r.updates_per_s for r in rs]),
+                "staleness_mean": _median([r.staleness_mean for r in rs]),
+                "staleness_p95": _median([r.staleness_p95 for r in rs]),
+                "wait_share": _median([r.wait_share for r in rs]),
+            })
+            out[sc]["configs"][c.name] = entry
+    return out
+
+
+def _range(xs):
+    xs = [x for x in xs if x is not None]
+    return [min(xs), max(xs)] if xs else None
+
+
+def render(summary: dict) -> str:
+    lines = ["time from the first step to each validation AUC target (median over seeds [range], "
+             "ratio to the tuned 1x8 sync with its bootstrap 95 % interval); AUC at fixed times"]
     for sc, s in summary.items():
-        lines.append(f"\n({sc}) {s['scenario']}")
+        lines.append(f"\n({sc}) {s['scenario']}  seeds {s['seeds']}, sync best "
+                     + ", ".join(f"{v:.3f}" for v in s["sync_best_auc"].values()))
         for name, e in s["configs"].items():
-            t = (f"{e['time_to_target_s']:6.1f} s [{e['time_to_target_range_s'][0]:.0f}–"
-                 f"{e['time_to_target_range_s'][1]:.0f}]") if e["time_to_target_s"] else \
-                f"{'not reached':>9} ({e['reached']}/{e['seeds']}, best {e['best_auc']:.3f})"
-            ratio = f"{e['ratio_to_sync']:.2f}×" if e["ratio_to_sync"] else "-"
-            auc = f"{e['auc_at_sync_samples']:.4f}" if e["auc_at_sync_samples"] else "-"
-            ups = f"{e['updates_per_s']:.1f}/s" if e["updates_per_s"] else "-"
-            st = (f"{e['staleness_mean']:.1f}/{e['staleness_p95']:.0f}"
-                  if e["staleness_mean"] is not None else "-")
-            lines.append(f"  {name:18} {t:24} {ratio:>6}  AUC {auc:7}  {ups:>8}  stale {st}")
+            lines.append(f"  {name:18} rate {e['learning_rate']:.3g}"
+                         + (f", wait {100 * e['wait_share']:.1f} %" if e["wait_share"] is not None else ""))
+            for key, t in e["targets"].items():
+                lines.append(f"    AUC {key:9} {_time(t, e['seeds']):28} {_ratio(t)}")
+            lines.append("    AUC at " + ", ".join(f"{k} s {v:.3f}" if v is not None else f"{k} s -"
+                                                     for k, v in e["auc_at_s"].items()))
     return "\n".join(lines)
 
 
-def markdown(summary: dict, target: float) -> str:
-    """The summary as README's table."""
-    rows = [f"| scenario | configuration | time to AUC {target} (median [range]) | ratio to sync | "
-            "AUC at sync's samples | updates/s | staleness mean / p95 |", "|---|---|---|---|---|---|---|"]
+def _time(t: dict, seeds: int) -> str:
+    if t["time_s"] is not None:
+        lo, hi = t["time_range_s"]
+        return f"{t['time_s']:.1f} s [{lo:.0f}–{hi:.0f}]"
+    return f"reached in {t['reached']}/{seeds}"
+
+
+def _ratio(t: dict) -> str:
+    if t["ratio_to_sync"] is None:
+        return "-"
+    ci = t["ratio_ci95"]
+    return f"{t['ratio_to_sync']:.2f}×" + (f" [{ci[0]:.2f}–{ci[1]:.2f}]" if ci else "")
+
+
+def markdown(summary: dict) -> str:
+    """The summary as the docs' table."""
+    keys = next(iter(summary.values()))["targets"] if summary else []
+    rows = ["| scenario | configuration | rate | " + " | ".join(f"AUC {k}: time, ratio [95 % CI]" for k in keys)
+            + " | AUC at " + ", ".join(f"{t:g}" for t in FIXED_TIMES) + " s |",
+            "|---|---|---|" + "---|" * len(keys) + "---|"]
     for sc, s in summary.items():
         for name, e in s["configs"].items():
-            if e["time_to_target_s"]:
-                lo, hi = e["time_to_target_range_s"]
-                t = f"{e['time_to_target_s']:.1f} s" + (f" [{lo:.0f}–{hi:.0f}]" if e["seeds"] > 1 else "")
-            else:
-                t = f"reached in {e['reached']} of {e['seeds']} seeds (best {e['best_auc']:.3f})"
-            ratio = f"{e['ratio_to_sync']:.2f}×" if e["ratio_to_sync"] else "-"
-            auc = f"{e['auc_at_sync_samples']:.3f}" if e["auc_at_sync_samples"] else "-"
-            ups = f"{e['updates_per_s']:.0f}" if e["updates_per_s"] else "-"
-            st = f"{e['staleness_mean']:.1f} / {e['staleness_p95']:.0f}" if e["staleness_mean"] is not None else "-"
-            rows.append(f"| ({sc}) {s['scenario']} ({e['seeds']} seed{'s' if e['seeds'] > 1 else ''}) | {name} | "
-                        f"{t} | {ratio} | {auc} | {ups} | {st} |")
+            cells = [f"{_time(t, e['seeds'])}, {_ratio(t)}" for t in e["targets"].values()]
+            fixed = " / ".join(f"{v:.3f}" if v is not None else "-" for v in e["auc_at_s"].values())
+            rows.append(f"| ({sc}) {s['scenario']} | {name} | {e['learning_rate']:.3g} | "
+                        + " | ".join(cells) + f" | {fixed} |")
     return "\n".join(rows)
+
+
+def picture(path: Path, sc: str, s: dict, results: list[Result], budget: float) -> Path:
+    """AUC against time per configuration: median over the race seeds, their range as a band."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=110)
+    grid = [i * 1.0 for i in range(int(budget) + 1)]
+    for name, e in s["configs"].items():
+        rs = [r for r in results if r.scenario == sc and r.phase == "race" and r.config == name]
+        med, lo, hi, ts = [], [], [], []
+        for t in grid:
+            vals = [v for v in (auc_at(r.curve, t) for r in rs) if v is not None]
+            if len(vals) < len(rs) or not vals:
+                continue
+            ts.append(t)
+            med.append(statistics.median(vals))
+            lo.append(min(vals))
+            hi.append(max(vals))
+        if not ts:
+            continue
+        line, = ax.plot(ts, med, label=f"{name} (rate {e['learning_rate']:.2g})")
+        ax.fill_between(ts, lo, hi, color=line.get_color(), alpha=0.2)
+    for t in TARGETS:
+        ax.axhline(t, color="grey", ls="--", lw=0.8)
+        ax.text(1, t + 0.002, f"AUC {t:g}", color="grey", fontsize=8)
+    best = list(s["sync_best_auc"].values())
+    if best:
+        ax.axhline(statistics.median(best), color="black", ls=":", lw=0.8)
+        ax.text(1, statistics.median(best) + 0.002, "tuned sync's best (median)", fontsize=8)
+    ax.set_ylim(0.70, max([0.96, *best]) + 0.01)
+    ax.set_xlim(0, budget)
+    ax.set_xlabel("seconds since the first training step (emulated pace)")
+    ax.set_ylabel("validation AUC")
+    ax.set_title(f"({sc}) {s['scenario']}: median of {len(s['seeds'])} seeds, band = range", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return publish(path, buf.getvalue())
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="one seed")
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--one-seed", default="c,d", help="scenarios run with seed 0 only")
-    ap.add_argument("--scenarios", default="a,b,c,d")
-    ap.add_argument("--configs", default="", help="comma-separated names (default: all)")
-    ap.add_argument("--target", type=float, default=0.90)
+    ap.add_argument("--quick", action="store_true",
+                    help="for developers: no sweep (every configuration at its centre rate), one seed, "
+                         "a 45 s budget")
+    ap.add_argument("--seeds", type=int, default=3, help="race seeds (0..N-1)")
+    ap.add_argument("--tuning-seeds", default="100", help="the sweep's seeds, comma-separated")
+    ap.add_argument("--scenarios", default="a,b")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated names")
     ap.add_argument("--step-seconds", type=float, default=0.2)
-    ap.add_argument("--budget", type=float, default=120.0, help="seconds of training at most per run")
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds of training at most per run")
     ap.add_argument("--events", type=int, default=20000)
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-race"))
     ap.add_argument("--keep-runs", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the result here (default: bench/results/race/…)")
     ap.add_argument("--table", type=Path, help="print a results file's summary as a Markdown table; run nothing")
     args = ap.parse_args(argv)
     if args.table:
-        data = json.loads(args.table.read_text())
-        print(markdown(data["summary"], data["target_auc"]))
+        print(markdown(json.loads(args.table.read_text())["summary"]))
         return 0
-    seeds = 1 if args.quick else args.seeds
+    if args.quick:
+        args.seeds, args.budget = 1, min(args.budget, 45.0)
+    args.tuning_seeds = [] if args.quick else [int(s) for s in args.tuning_seeds.split(",")]
     scenarios = args.scenarios.split(",")
-    configs = [c for c in CONFIGS if not args.configs or c.name in args.configs.split(",")]
-    if configs[0].groups != 1:
-        configs.insert(0, CONFIGS[0])  # the synchronous run is every ratio's denominator
+    names = args.configs.split(",")
+    configs = [c for c in CONFIGS if c.name in names]
+    if SYNC not in configs:
+        configs.insert(0, SYNC)  # the synchronous run is every ratio's denominator
     args.work.mkdir(parents=True, exist_ok=True)
     files = generated(args.work, args.events)
     logdir = args.work / "logs"
     logdir.mkdir(exist_ok=True)
     env_machine = machine()
-    log(f"race on {env_machine['cpu']} ({env_machine['isa']}), {seeds} seed(s), scenarios {scenarios}")
+    log(f"race on {env_machine['cpu']} ({env_machine['isa']}), load {env_machine['load_average']:.1f}, "
+        f"{args.seeds} seed(s), tuning seeds {args.tuning_seeds}, scenarios {scenarios}")
     scorer = Probe("race-eval", ["--role", "eval", "--image", str(IMAGE)], logdir)
     results: list[Result] = []
+    chosen: dict = {}
     started = time.time()
+    path = args.json or result_path(SUITE, env_machine)
+
+    def save(done: list[str]) -> None:
+        """The result so far (written after each scenario: a stopped race keeps what it finished)."""
+        sweeps = {sc: {c.name: [{"rate": r.rate, "seed": r.seed, "times_to_target": r.times_to_target,
+                                 "auc_at_s": {f"{t:g}": auc_at(r.curve, t) for t in FIXED_TIMES},
+                                 "best_auc": round(r.best_auc, 4), "stopped": r.stopped}
+                                for r in results if r.phase == "sweep" and r.scenario == sc and r.config == c.name]
+                       for c in configs} for sc in done}
+        summary = summarise(results, configs, done, chosen, sweeps)
+        write_result(path, {
+            "machine": env_machine, "load_average_end": os.getloadavg()[0],
+            "shared_machine": "2 cores shared with other agents' tests during the run: times grow with "
+                              "the load (each run's load average before and after is in runs[].load)",
+            "quick": args.quick, "seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
+            "scenarios_done": done, "scenarios_asked": scenarios,
+            "targets": list(TARGETS) + ["sync best"], "fixed_times_s": list(FIXED_TIMES), "grid": list(GRID),
+            "ranks": RANKS, "batch_per_rank": BATCH, "image": IMAGE, "model": MODEL,
+            "step_seconds": args.step_seconds, "budget_s": args.budget, "events": args.events,
+            "minutes": (time.time() - started) / 60, "chosen_rates": chosen, "summary": summary,
+            "runs": [r.__dict__ for r in results],
+        })
+        for sc in done:
+            picture(path.with_name(f"{path.stem}-{sc}.png"), sc, summary[sc], results, args.budget)
+        print(render(summary), flush=True)
+
     try:
-        for seed in range(seeds):
-            for sc in scenarios:
-                if seed and sc in args.one_seed.split(","):
-                    continue
-                sync = race_one(args, files, scorer, sc, configs[0], seed, None)
+        for n, sc in enumerate(scenarios):
+            chosen[sc] = (sweep(args, files, scorer, sc, configs, results) if args.tuning_seeds
+                          else {c.name: c.rate for c in configs})
+            log(f"({sc}) chosen rates: " + ", ".join(f"{k} {v:.3g}" for k, v in chosen[sc].items()))
+            for seed in range(args.seeds):
+                sync = race_one(args, files, scorer, sc, SYNC, seed, chosen[sc][SYNC.name], "race",
+                                StopRule(named(TARGETS), args.budget, run_until=args.budget))
+                sync.times_to_target["sync best"] = next(
+                    (t for t, _n, a in sync.curve if a >= sync.held_auc), None) if sync.curve else None
                 results.append(sync)
-                for c in configs[1:]:
-                    results.append(race_one(args, files, scorer, sc, c, seed, sync.samples_at_target))
+                others = [c for c in configs if c != SYNC]
+                shift = seed % len(others) if others else 0
+                for c in others[shift:] + others[:shift]:
+                    rule = StopRule({**named(TARGETS), "sync best": sync.held_auc}, args.budget,
+                                    run_until=max(FIXED_TIMES))
+                    results.append(race_one(args, files, scorer, sc, c, seed, chosen[sc][c.name], "race", rule))
+            save(scenarios[:n + 1])
     finally:
         scorer.close()
-    summary = summarise(results, configs, scenarios)
-    text = render(summary, args.target)
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    path = result_path("race", env_machine)
-    path.write_text(json.dumps({
-        "machine": env_machine, "seeds": seeds, "target_auc": args.target, "ranks": RANKS,
-        "batch_per_rank": BATCH, "image": IMAGE, "model": MODEL, "step_seconds": args.step_seconds,
-        "budget_s": args.budget, "events": args.events, "minutes": (time.time() - started) / 60,
-        "summary": summary, "runs": [r.__dict__ for r in results],
-    }, indent=1))
-    log(f"results: {path} ({(time.time() - started) / 60:.1f} min)")
+    elapsed = (time.time() - started) / 60
+    log(f"results: {path} and its pictures ({elapsed:.1f} min)")
     return 0
 
 

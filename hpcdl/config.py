@@ -137,6 +137,7 @@ class ExchangeConfig:
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
     staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
     max_outstanding: int = 0  # 0: a root never waits; K: at most K unanswered updates a group
+    warmup_steps: int = 0  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
     reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
     delta_dtype: str = "float32"  # delta: float16 halves the bytes exchanged
     max_staleness: int = 16  # master versions an update may be behind; staler ones meet stale_policy
@@ -165,7 +166,7 @@ class ExchangeConfig:
             raise JobError(f"exchange.learning_rate must be > 0, or 0 for the default, got {self.learning_rate}")
         if not 0.0 <= self.momentum < 1.0:
             raise JobError(f"exchange.momentum must be in [0, 1), got {self.momentum}")
-        for name in ("momentum_delay", "max_outstanding"):
+        for name in ("momentum_delay", "max_outstanding", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise JobError(f"exchange.{name} must be >= 0, got {getattr(self, name)}")
         if not self.reply_timeout_s > 0:

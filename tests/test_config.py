@@ -51,6 +51,7 @@ def test_resolved_job_round_trips_through_toml():
     ("run.controller=nccl", "run.controller must be one of gloo, mpi; got 'nccl'"),
     ('slurm.mpi="pmix; id"', "slurm.mpi must name an srun MPI plugin"),
     ("exchange.learning_rate=nan", "exchange.learning_rate must be a finite number"),
+    ("exchange.warmup_steps=-1", "exchange.warmup_steps must be >= 0"),
     ("train.learning_rate=inf", "train.learning_rate must be a finite number"),
     ("train.learning_rate=1e999", "train.learning_rate must be a finite number"),
     ("exchange.reply_timeout_s=inf", "exchange.reply_timeout_s must be a finite number"),

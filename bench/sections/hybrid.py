@@ -26,9 +26,9 @@ def run(b: Bench) -> None:
     b.data["hybrid"] = {"race_file": str(new[-1]), "summary": race["summary"]}
     for sc, entry in race["summary"].items():
         for name, e in entry["configs"].items():
-            t = e["time_to_target_s"]
+            first = e["targets"]["0.9"]
+            t = first["time_s"]
             value = f"{t:.0f} s" if t else f"not reached (best {e['best_auc']:.3f})"
-            ratio = f"{e['ratio_to_sync']:.2f}× sync" if e["ratio_to_sync"] else ""
-            b.row(f"hybrid.{sc}.{name}", "hybrid", f"({sc}) {entry['scenario']}: {name}, time to AUC "
-                  f"{race['target_auc']}", value, ratio, "emulated stragglers, 1 seed", number=t)
-
+            ratio = f"{first['ratio_to_sync']:.2f}× sync" if first["ratio_to_sync"] else ""
+            b.row(f"hybrid.{sc}.{name}", "hybrid", f"({sc}) {entry['scenario']}: {name}, time to AUC 0.9",
+                  value, ratio, "emulated stragglers, 1 seed, untuned rates (--quick)", number=t)

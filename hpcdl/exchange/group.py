@@ -14,7 +14,10 @@ once fewer than K of its published updates are unanswered (K = 1: each update's 
 newest master including it, is awaited, as the paper's parameter server did), for at most
 `exchange.reply_timeout_s`; after a timeout it stops waiting until the applier answers again, so
 a group keeps training when the applier is slow or down, and the channel's backlog bound keeps
-the directory from growing. On start and on restart the root takes the newest master weights (or
+the directory from growing. For its first `exchange.warmup_steps` steps a root waits as with
+K = 1 whatever K is: a cold start needs each update answered before the next (two in flight
+could kill the start), while afterwards a second update in flight hides the applier's answer
+behind the next step instead of waiting for it. On start and on restart the root takes the newest master weights (or
 proposes its own, so that all groups start from the same version 0).
 
 Every channel of a run is keyed by the run's secret (`run.key`, see hpcdl.runkey): files written
@@ -92,13 +95,14 @@ class ExchangeSync:
     def __init__(self, channels: Channel | list[Channel], group: int, every: int,
                  initial_wait_s: float = INITIAL_WAIT_S, report: StorageReport | None = None, *,
                  kind: str = "gradient", max_outstanding: int = 0, reply_timeout_s: float = 60.0,
-                 delta_dtype: str = "float32", drop_held: bool = False,
+                 warmup_steps: int = 0, delta_dtype: str = "float32", drop_held: bool = False,
                  on_partition: Callable[[Partition], Partition] | None = None):
         self.channels = [channels] if isinstance(channels, Channel) else list(channels)
         self.group = group
         self.every = every
         self.kind = kind
         self.max_outstanding = max_outstanding
+        self.warmup_steps = warmup_steps
         self.reply_timeout_s = reply_timeout_s
         self.delta_dtype = np.dtype(delta_dtype)
         self.initial_wait_s = initial_wait_s
@@ -145,7 +149,7 @@ class ExchangeSync:
         channels = [run_channel(run, job, shard=k, max_pending_per_group=x.max_pending_per_group)
                     for k in range(x.shard_count)]
         return cls(channels, group, x.every, report=report,
-                   kind=x.kind, max_outstanding=x.max_outstanding,
+                   kind=x.kind, max_outstanding=x.max_outstanding, warmup_steps=x.warmup_steps,
                    reply_timeout_s=x.reply_timeout_s, delta_dtype=x.delta_dtype, drop_held=x.drop_held_updates,
                    on_partition=(lambda p: record_partition(run, job, p)) if x.shard_count > 1 else None)
 
@@ -202,8 +206,9 @@ class ExchangeSync:
             update = grads()
         self.unpublished.append((list(self.versions), update, set()))
         self._publish_or_wait_for_space()
-        if self.max_outstanding:
-            self._await_replies()
+        limit = self.outstanding_limit(step)
+        if limit:
+            self._await_replies(limit)
         adopted = None
         newer = False
         for k, ch in enumerate(self.channels):
@@ -244,10 +249,15 @@ class ExchangeSync:
         """Published updates of this group that some shard has not processed yet."""
         self.answered = min(ch.answered_seq(self.group) for ch in self.channels)
         return max(0, min(self.published, self.seq - 1 - self.answered))
-    def _await_replies(self) -> None:
+
+    def outstanding_limit(self, step: int) -> int:
+        """K at group step `step`: 1 during the warm-up, then exchange.max_outstanding (0: no waiting)."""
+        return 1 if step <= self.warmup_steps else self.max_outstanding
+
+    def _await_replies(self, limit: int) -> None:
         start = time.monotonic()
         deadline = start + self.reply_timeout_s
-        while self.unanswered() >= self.max_outstanding:
+        while self.unanswered() >= limit:
             if self._silent_at is not None and self.answered <= self._silent_at:
                 break  # still silent since the last timeout: do not wait again
             self._silent_at = None

@@ -104,6 +104,26 @@ def test_max_outstanding_two_lets_one_update_stay_unanswered(tmp_path):
     assert time.monotonic() - start < 2.0 and sync.reply_timeouts == 0
 
 
+def test_the_warm_up_waits_for_every_answer_then_lets_max_outstanding_stay_unanswered(tmp_path):
+    channel = Channel(tmp_path / "x", "run", fsync=False)
+    sync = ExchangeSync(channel, group=0, every=1, initial_wait_s=0.1, max_outstanding=2,
+                        warmup_steps=2, reply_timeout_s=0.5)
+    sync.initial_weights(weights(0.0))
+    assert [sync.outstanding_limit(s) for s in (1, 2, 3, 600)] == [1, 1, 2, 2]
+    for step in (1, 2):  # the cold start: each update's answer is awaited, even with one unanswered
+        start = time.monotonic()
+        sync.after_step(step, lambda: weights(1.0))
+        assert time.monotonic() - start >= 0.45 and sync.reply_timeouts == step
+        answer(channel, 0, sync.seq - 2)  # every update but the newest answered
+        assert sync.unanswered() == 1
+        answer(channel, 0, sync.seq - 1)
+    start = time.monotonic()
+    sync.after_step(3, lambda: weights(1.0))  # past the warm-up: one update may stay unanswered
+    assert time.monotonic() - start < 0.4 and sync.unanswered() == 1 and sync.reply_timeouts == 2
+    sync.after_step(4, lambda: weights(1.0))  # two unanswered: waits
+    assert sync.reply_timeouts == 3 and sync.unanswered() == 2
+
+
 def test_a_stop_request_ends_the_wait_for_an_answer(tmp_path):
     channel = Channel(tmp_path / "x", "run", fsync=False)
     sync = ExchangeSync(channel, group=0, every=1, initial_wait_s=0.1, max_outstanding=1,
