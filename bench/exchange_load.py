@@ -78,7 +78,7 @@ from hpcdl.engine.tuning import read_cpuinfo
 from hpcdl.exchange import Channel, Signer, update_name
 from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
 from hpcdl.exchange.shards import Partition
-from hpcdl.runs import read_jsonl
+from hpcdl.files import read_jsonl
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178

@@ -43,7 +43,7 @@ from typing import Any, Iterator
 
 from hpcdl.config import Job, job_from_dict
 from hpcdl.errors import JobError
-from hpcdl.files import append_jsonl, atomic_write_bytes, read_jsonl, read_regular  # noqa: F401 (append_jsonl, read_jsonl: importers move to hpcdl.files)
+from hpcdl.files import atomic_write_bytes, read_regular
 from hpcdl.access import Access, AccessError, access_for_job
 from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
 from hpcdl.storage import REPORT_FILE, StorageReport

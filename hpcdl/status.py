@@ -27,7 +27,8 @@ from typing import Any
 
 from hpcdl.exchange.channel import applier_status_file, applier_storage_file
 from hpcdl.files import read_regular
-from hpcdl.runs import ENDED, FAILED, RunDir, State, read_jsonl
+from hpcdl.runs import ENDED, FAILED, RunDir, State
+from hpcdl.files import read_jsonl
 from hpcdl.storage import low_space, read_report
 
 

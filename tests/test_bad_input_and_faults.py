@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from hpcdl.cli import main
 from hpcdl.config import JOBS_DIR, load_job
 from hpcdl.errors import JobError
-from hpcdl.runs import RunDir, RunIdTaken, append_jsonl, create_run, write_json_atomic
+from hpcdl.runs import RunDir, RunIdTaken, create_run, write_json_atomic
+from hpcdl.files import append_jsonl
 from hpcdl.schedulers.base import DryRun, Scheduler
 from hpcdl.status import collect
 from hpcdl.submit import Prepared, prepare, submit_run
@@ -505,7 +506,7 @@ def test_a_full_disk_across_the_end_of_training_loses_nothing(hep_files, tmp_pat
     room, nothing is dropped, status shows the real steps, and the run ends at once."""
     import subprocess
 
-    from hpcdl.runs import read_jsonl
+    from hpcdl.files import read_jsonl
     from hpcdl.storage import recorded_checkpoint
     from tests.conftest import HPCDL
     from tests.helpers.full_disk import fill

@@ -22,7 +22,8 @@ from hpcdl.storage import StorageReport
 from hpcdl.exchange.group import ExchangeSync, adopt_master_weights, run_channel
 from hpcdl.access import Access
 from hpcdl.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
-from hpcdl.runs import RunError, append_jsonl, create_run, write_json_atomic
+from hpcdl.runs import RunError, create_run, write_json_atomic
+from hpcdl.files import append_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides
 
 W = {"w": np.arange(8, dtype=np.float32), "b": np.zeros(2, np.float32)}

@@ -5,7 +5,8 @@ import time
 import pytest
 
 from hpcdl.config import load_job
-from hpcdl.runs import RunError, append_jsonl, create_run, find_run, list_runs, read_jsonl, write_json_atomic
+from hpcdl.runs import RunError, create_run, find_run, list_runs, write_json_atomic
+from hpcdl.files import append_jsonl, read_jsonl
 
 
 def test_run_appears_only_when_complete(tmp_path):

@@ -21,7 +21,8 @@ import pytest
 
 from hpcdl.config import load_job
 from hpcdl.exchange import Channel
-from hpcdl.runs import append_jsonl, create_run, read_jsonl, write_json_atomic
+from hpcdl.runs import create_run, write_json_atomic
+from hpcdl.files import append_jsonl, read_jsonl
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
 )

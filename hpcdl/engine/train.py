@@ -29,7 +29,8 @@ from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.engine.tuning import precision_policy
-from hpcdl.runs import MANIFEST, State, append_jsonl, write_json_atomic
+from hpcdl.runs import MANIFEST, State, write_json_atomic
+from hpcdl.files import append_jsonl
 from hpcdl.storage import FinalSaveFailed, StorageReport, attempt, recorded_checkpoint, save_checkpoint
 
 FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between tries of the last checkpoint and state

@@ -15,7 +15,8 @@ from hpcdl.config import load_job
 from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
 from hpcdl.exchange.group import ExchangeSync, record_partition
-from hpcdl.runs import create_run, read_jsonl
+from hpcdl.runs import create_run
+from hpcdl.files import read_jsonl
 from tests.conftest import HPCDL, REPO, set_args, tiny_overrides, wait_for
 
 F4 = "<f4"

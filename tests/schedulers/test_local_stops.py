@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from hpcdl.config import load_job
-from hpcdl.runs import create_run, read_jsonl
+from hpcdl.runs import create_run
+from hpcdl.files import read_jsonl
 from hpcdl.schedulers.local import Supervisor
 from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 

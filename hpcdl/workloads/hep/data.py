@@ -23,7 +23,7 @@ from hpcdl.workloads.hep.layout import (
     CHANNELS, DEFAULT_CHUNK, LAYOUT_BENCHMARK, LAYOUT_NERSC, NERSC_GROUP, DataError, HepFile, as_hep, h5_errors,
     open_hep,
 )
-from hpcdl.workloads.stream import ChunkedBatches, check_chunk, check_stream_args, example_chunks, shard_range
+from hpcdl.workloads.stream import ChunkedBatches, check_stream_args, example_chunks, shard_range
 
 if TYPE_CHECKING:
     from hpcdl.workloads.hep.normalization import Normalization

@@ -13,7 +13,8 @@ from typing import Any, Mapping, Tuple
 
 import numpy as np
 
-from hpcdl.workloads.hep.data import HepReader, check_chunk, event_chunks
+from hpcdl.workloads.hep.data import HepReader, event_chunks
+from hpcdl.workloads.stream import check_chunk
 from hpcdl.workloads.hep.layout import DEFAULT_CHUNK, DataError, as_hep
 
 def channel_max(path, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
