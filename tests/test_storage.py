@@ -247,18 +247,20 @@ print("STEPS", result.steps_run)
 
 def test_training_goes_on_through_failed_writes(hep_files, tmp_path, tiny_fs):
     """A real (one-rank) group: its metrics, state and TensorBoard files sit on a tmpfs that fills
-    up after step 10, and checkpoint 20 fails half-way (injected quota error). Training finishes all steps, the other checkpoints are
-    fine, and the group's storage report says what failed."""
+    up after step 10, and checkpoint 20 fails half-way (injected quota error). Training runs all
+    steps, the other checkpoints are fine, and the group's storage report says what failed; as the
+    final state cannot be written while the disk stays full, the group does not end as finished
+    but fails with the reason once train.final_save_retry_s is spent."""
     group_dir = tiny_fs("group", 64)
     StorageReport(group_dir / REPORT_FILE).close()  # as create_run reserves it
-    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=30)
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=30) + ["train.final_save_retry_s=2"]
     proc = subprocess.run(
         [sys.executable, "-c", TRAIN_SCRIPT, str(group_dir), str(tmp_path / "ckpt"), json.dumps(overrides),
          json.dumps([20])],
         env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "STEPS 30" in proc.stdout
+    assert proc.returncode != 0 and "STEPS" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "FinalSaveFailed: the checkpoint, held updates and state of step 30 could not be written" in proc.stderr
     names = sorted(os.listdir(tmp_path / "ckpt"))
     assert "ckpt-10.index" in names and "ckpt-30.index" in names
     assert not any(n.startswith("ckpt-20") for n in names)
