@@ -29,11 +29,6 @@ SETUP = re.compile(r"<!--\s*doc-test:\s*setup\s+([\w-]+)\s*-->")
 FENCE = re.compile(r"^```(\w*)\s*$")
 SHELL = {"sh", "bash"}
 BLOCK_TIMEOUT_S = 600
-# Links to pages that other work in flight writes; allowed only while the target does not exist,
-# and checked like any other link from the moment it does.
-PENDING_TARGETS = {
-    "bench/results/INDEX.md": "bench's results index (issue 23, item 6)",
-}
 
 
 @dataclass(frozen=True)
@@ -180,9 +175,7 @@ def broken_links(page: Path, root: Path = REPO) -> list[str]:
         path_part, _, anchor = target.partition("#")
         resolved = (page.parent / path_part).resolve() if path_part else page
         if not resolved.exists():
-            relative = resolved.relative_to(root).as_posix() if resolved.is_relative_to(root) else ""
-            if relative not in PENDING_TARGETS:
-                broken.append(target)
+            broken.append(target)
         elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
             broken.append(target)
     return broken
