@@ -166,8 +166,8 @@ def links(page: Path) -> list[str]:
     return [a or b for a, b in LINK.findall(text)]
 
 
-def broken_links(page: Path, root: Path = REPO) -> list[str]:
-    """The links of a page to files under `root` (and their headings) that do not exist."""
+def broken_links(page: Path) -> list[str]:
+    """The links of a page to files (and their headings) that do not exist."""
     broken = []
     for target in links(page):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ... are outside the repo
@@ -193,7 +193,7 @@ def test_the_link_check_finds_missing_files_and_headings(tmp_path):
     page.write_text("[ok](other.md#a-heading-with-code) [gone](nothing.md) [bad anchor](other.md#nope)\n"
                     "![picture](missing.png) [web](https://example.org) `[not a link](x.md)`\n"
                     "```sh\n[in code](y.md)\n```\n[here](#nowhere)\n")
-    assert broken_links(page, tmp_path) == ["nothing.md", "other.md#nope", "missing.png", "#nowhere"]
+    assert broken_links(page) == ["nothing.md", "other.md#nope", "missing.png", "#nowhere"]
 
 
 def test_blocks_carry_the_marker_on_the_line_before_them(tmp_path):
