@@ -88,13 +88,14 @@ def prepare(directory: Path, page: Path) -> None:
         known[setup](directory)
 
 
-def run_block(block: Block, cwd: Path, env: dict[str, str], rewrite=lambda text: text) -> None:
+def run_block(block: Block, cwd: Path, env: dict[str, str], rewrite=lambda text: text) -> subprocess.CompletedProcess:
     script = rewrite(block.text)
     proc = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     where = f"{block.page.relative_to(REPO)}:{block.line}"
     assert proc.returncode == 0, (f"{where} exited {proc.returncode}\n$ {script}\n"
                                   f"--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
+    return proc
 
 
 def shell_env() -> dict[str, str]:
@@ -124,8 +125,10 @@ TRAINING = {p for p in RUNNABLE if any(trains(b) for b in shell_blocks(p, ""))}
 def test_shell_blocks_run(page, tmp_path):
     prepare(tmp_path, page)
     env = shell_env()
-    for block in shell_blocks(page, ""):
-        run_block(block, tmp_path, env)
+    blocks = shell_blocks(page, "")
+    assert blocks, f"{page_id(page)} is listed as runnable but has no shell block to run"
+    for block in blocks:
+        assert run_block(block, tmp_path, env).returncode == 0
 
 
 def test_the_pages_have_blocks_that_run_and_markers_that_are_known():

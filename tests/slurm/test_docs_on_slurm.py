@@ -62,5 +62,7 @@ def cancels_what_it_submitted(tmp_path):
 def test_slurm_blocks_run(page, slurm_cluster, tmp_path, cancels_what_it_submitted):
     write_hep_data(tmp_path)
     env = shell_env()
-    for block in shell_blocks(page, "slurm"):
-        run_block(block, tmp_path, env, rewrite=with_test_cluster)
+    blocks = shell_blocks(page, "slurm")
+    assert blocks, f"{page} is listed for SLURM but has no block marked for it"
+    for block in blocks:
+        assert run_block(block, tmp_path, env, rewrite=with_test_cluster).returncode == 0
