@@ -142,9 +142,10 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         requeue["asked"] = early_signal() == signal.SIGUSR1
         applier.request_stop()
 
-    failing_since: list[float] = []
+    failing_since: float | None = None  # every group ended, and commits failing since then
 
     def done() -> bool:
+        nonlocal failing_since
         over = (groups_finished(run, job.run.groups) or run.groups_ended_mark.exists()
                 or (array_gone is not None and array_gone()))
         if not over or channel.backlog() == 0:
@@ -152,10 +153,11 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
         # Every group has ended: what a full disk keeps from being committed for longer than
         # the grace stays pending (a resume applies it); the run does not wait for space.
         if applier.healthy:
-            failing_since.clear()
+            failing_since = None
             return False
-        failing_since[:1] = failing_since[:1] or [time.monotonic()]
-        return time.monotonic() - failing_since[0] > ENDED_FULL_DISK_GRACE_S
+        if failing_since is None:
+            failing_since = time.monotonic()
+        return time.monotonic() - failing_since > ENDED_FULL_DISK_GRACE_S
 
     with applier:
         try:
