@@ -279,7 +279,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 
-    from hpcdl.engine.train import GroupPaths, train_group
+    from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
     from hpcdl.engine.tuning import configure_tensorflow
     from hpcdl.storage import StorageReport
     from hpcdl.workloads import get_workload
@@ -322,8 +322,8 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
 
     result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                         storage=storage, exchange=exchange, sync=sync, stop_requested=stop_requested,
-                         report=report, pace=pace, validate=validate)
+                         root=GroupRoot(storage, sync, validate) if root else None, exchange=exchange,
+                         stop_requested=stop_requested, report=report, pace=pace)
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the group's life (hpcdl.lifecycle) it stopped at a checkpoint.

@@ -209,7 +209,7 @@ from pathlib import Path
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from hpcdl.config import load_job
-from hpcdl.engine.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
 from hpcdl.storage import REPORT_FILE, StorageReport
 from hpcdl.workloads import get_workload
 
@@ -240,7 +240,7 @@ job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
 paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", out / "tb")
-result = train_group(job, workload, hvd, paths, stats, group=0, groups=1, storage=StorageReport(out / REPORT_FILE))
+result = train_group(job, workload, hvd, paths, stats, group=0, groups=1, root=GroupRoot(StorageReport(out / REPORT_FILE)))
 print("STEPS", result.steps_run)
 """
 

@@ -123,6 +123,127 @@ class _Recorder:
         attempt(self.storage, "tensorboard", self.writer.flush)
 
 
+@dataclass(frozen=True)
+class GroupRoot:
+    """What rank 0 of a group alone is given: where it records the files it could not write, its
+    link to the other groups (with an exchange) and the workload's validation, if any
+    (`validate(model)`: the workload's figures on a fixed validation subset)."""
+
+    storage: StorageReport
+    sync: GroupSync | None = None
+    validate: Callable[[Any], dict[str, float]] | None = None
+
+
+class _GroupModel:
+    """The group's model, optimizer and step counter, restored from its newest checkpoint if any."""
+
+    def __init__(self, job: Job, workload, checkpoints: Path):
+        self.input_shape = workload.input_shape(job)
+        # mixed_bfloat16: the model computes in bfloat16; variables, optimizer slots, gradients as
+        # applied, checkpoints and exchange files stay float32 (the policy's variable dtype).
+        policy = precision_policy(job.tuning.precision)
+        self.model = workload.build_model(job.model, self.input_shape, seed=job.train.seed,
+                                          compute_dtype=policy.compute_dtype)
+        self.names = [n for n, _ in self.model.named_variables()]
+        self.variables = [v for _, v in self.model.named_variables()]
+        self.optimizer = make_optimizer(job.train.optimizer, self.variables, job.train.learning_rate)
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+        self.manager = tf.train.CheckpointManager(checkpoint, str(checkpoints), job.train.keep_checkpoints)
+        self.restored = self.manager.latest_checkpoint is not None
+        if self.restored:
+            checkpoint.restore(self.manager.latest_checkpoint).expect_partial()
+        self.resumed_from = int(self.step.numpy())
+
+    def values(self, tensors: list | None = None) -> dict[str, np.ndarray]:
+        """The variables' (or the matching gradients') values by name."""
+        return {n: t.numpy() for n, t in zip(self.names, self.variables if tensors is None else tensors)}
+
+    def assign(self, values: dict[str, np.ndarray]) -> None:
+        _assign(self.variables, self.names, values)
+
+
+class _Rates:
+    """The metrics line's rates: over the steps since the previous line, and sustained since this
+    process began training."""
+
+    def __init__(self, examples_per_rank_step: int, flops_per_example: int, ranks: int):
+        self.examples, self.flops, self.ranks = examples_per_rank_step, flops_per_example, ranks
+        self.window_start = self.run_start = time.perf_counter()
+        self.window_steps = self.steps = 0
+
+    def stepped(self) -> None:
+        self.window_steps += 1
+        self.steps += 1
+
+    def leave_out(self, seconds: float) -> None:
+        """Work of rank 0's own (validation) that is not the training steps'."""
+        self.window_start += seconds
+
+    def line(self) -> dict[str, float]:
+        now = time.perf_counter()
+        elapsed = now - self.window_start
+        per_rank_examples = self.window_steps * self.examples / elapsed
+        rates = {
+            "step_time_s": elapsed / self.window_steps,
+            "images_per_s": per_rank_examples * self.ranks,
+            "flops_per_s_rank": per_rank_examples * self.flops,
+            "flops_per_s_group": per_rank_examples * self.flops * self.ranks,
+            "sustained_flops_per_s_group": self.steps * self.examples * self.flops * self.ranks / (now - self.run_start),
+        }
+        self.window_start, self.window_steps = time.perf_counter(), 0
+        return rates
+
+
+class _RootDuties:
+    """Rank 0's periodic actions after a step, in this order: validate, write the metrics line,
+    checkpoint. None of them is a collective, so the other ranks go on to the next step."""
+
+    def __init__(self, job: Job, root: GroupRoot, paths: GroupPaths, group_model: _GroupModel, *,
+                 group: int, ranks: int, exchange: bool, report: dict[str, Any]):
+        self.train, self.group, self.ranks = job.train, group, ranks
+        self.sync = root.sync if exchange else None
+        self.validate = root.validate if job.train.validate_every else None
+        self.report, self.manager = report, group_model.manager
+        self.recorder = _Recorder(paths, root.storage)
+        self.rates = _Rates(job.train.batch_per_rank, group_model.model.flops().training, ranks)
+        self.train_start = time.time()
+        self.validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
+        self.validation_due = False
+        self.last: dict[str, Any] = {}
+
+    def after_step(self, step: int, loss, model, *, adopted: bool, stopping: bool) -> None:
+        self.rates.stepped()
+        last_step = step == self.train.steps
+        if self.validate is not None:
+            self._validate(step, model, adopted=adopted, last_step=last_step)
+        if step % self.train.log_every == 0 or last_step or stopping:
+            self.last = {"time": time.time(), "train_start": self.train_start, "group": self.group, "step": step,
+                         "loss": float(loss.numpy()), "ranks": self.ranks, **self.rates.line(), **self.report,
+                         **(self.sync.stats() if self.sync is not None else {}), **self.validation}
+            self.recorder.metrics(step, self.last)
+        if step % self.train.checkpoint_every == 0 or last_step or stopping:
+            self.recorder.checkpoint(self.manager, step)
+
+    def _validate(self, step: int, model, *, adopted: bool, last_step: bool) -> None:
+        # Every train.validate_every steps; with an exchange, at the first adoption from then on,
+        # so that the master weights are scored; and at the last step (maybe the group's own).
+        self.validation_due = self.validation_due or step % self.train.validate_every == 0
+        scores_master = self.sync is None or adopted
+        if not ((self.validation_due and scores_master) or last_step):
+            return
+        began = time.perf_counter()
+        self.validation = {"val_step": step, **{f"val_{k}": v for k, v in self.validate(model).items()}}
+        # The window's rates are the training steps': scoring is reported as its own time (the
+        # run's sustained rate still pays it).
+        self.validation["val_time_s"] = time.perf_counter() - began
+        self.rates.leave_out(self.validation["val_time_s"])
+        if self.sync is not None and scores_master:
+            self.validation["val_master_version"] = self.sync.stats().get("exchange_version")
+        self.validation_due = False
+        self.recorder.validation(step, self.validation)
+
+
 def _agree(hvd, adopted: bool, stop: bool) -> tuple[bool, bool]:
     """One small collective decides, for all ranks at the same step, whether to adopt the master
     weights the root read (only the root touches the shared directory) and whether to stop
@@ -132,140 +253,69 @@ def _agree(hvd, adopted: bool, stop: bool) -> tuple[bool, bool]:
     return adopt, stop
 
 
-def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
-                group: int, groups: int, storage: StorageReport | None = None, exchange: bool = False,
-                sync: GroupSync | None = None, stop_requested: Callable[[], bool] | None = None,
-                report: dict[str, Any] | None = None,
-                pace: Callable[[int, float], None] | None = None,
-                validate: Callable[[Any], dict[str, float]] | None = None) -> TrainResult:
-    """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
-
-    `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
-    group was formed. `storage` (rank 0) records the files that could not be written.
-    `exchange` must be the same on every rank of the group (it adds collective steps); `sync` is
-    given to rank 0 only. `stop_requested` (a signal flag, e.g. SLURM's warning before the time
-    limit) is agreed on by all ranks at each step: the group checkpoints and returns early with
-    `stopped=True`. `report` adds fixed fields to every metrics record. `pace(step, started)`,
-    called after each step with the step's start (perf_counter), may stretch it (the straggler
-    emulator, hpcdl.emulate). `validate(model)` (rank 0; the workload's figures on a fixed
-    validation subset) runs every `train.validate_every` steps and at the end; with an exchange,
-    at the first adoption from then on, so it scores the master weights.
-
-    The loop is one function so that the order of its collectives (identical on every rank) can
-    be read in one place.
-    """
-    rank, size = hvd.rank(), hvd.size()
-    if rank == 0 and (storage is None or (exchange and sync is None)):
-        raise ValueError("rank 0 of a group needs its storage report, and its GroupSync with an exchange")
-    input_shape = workload.input_shape(job)
-    # mixed_bfloat16: the model computes in bfloat16; variables, optimizer slots, gradients as
-    # applied, checkpoints and exchange files stay float32 (the policy's variable dtype).
-    policy = precision_policy(job.tuning.precision)
-    model = workload.build_model(job.model, input_shape, seed=job.train.seed, compute_dtype=policy.compute_dtype)
-    variables = [v for _, v in model.named_variables()]
-    names = [n for n, _ in model.named_variables()]
-    optimizer = make_optimizer(job.train.optimizer, variables, job.train.learning_rate)
-    step = tf.Variable(0, dtype=tf.int64, trainable=False)
-    checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer, step=step)
-    manager = tf.train.CheckpointManager(checkpoint, str(paths.checkpoints), job.train.keep_checkpoints)
-    if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).expect_partial()
-    resumed_from = int(step.numpy())
-
-    if rank == 0 and sync is not None:
-        # Fresh or restarted, a group starts from the newest master weights when there are any.
-        start = sync.initial_weights({n: v.numpy() for n, v in zip(names, variables)})
-        _assign(variables, names, start)
-    # Every rank starts from rank 0's weights, whatever each built or restored.
-    hvd.broadcast_variables(variables, root_rank=0)
-    if rank == 0 and manager.latest_checkpoint:
+def _start_weights(hvd, g: _GroupModel, sync: GroupSync | None, group: int) -> None:
+    """Fresh or restarted, a group starts from the newest master weights when there are any, else
+    from its checkpoint or its seed: rank 0's, broadcast (a collective)."""
+    if sync is not None:
+        g.assign(sync.initial_weights(g.values()))
+    hvd.broadcast_variables(g.variables, root_rank=0)
+    if hvd.rank() == 0 and g.restored:
         version = sync.stats().get("exchange_version") if sync is not None else None
-        print(f"hpcdl group {group}: resumed from checkpoint {resumed_from}" + (
+        print(f"hpcdl group {group}: resumed from checkpoint {g.resumed_from}" + (
             "" if version is None else f", master version {version}" if version >= 0
             else ", no master version yet (its own weights)"), flush=True)
 
-    recorder = None
+
+def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
+                group: int, groups: int, root: GroupRoot | None = None, exchange: bool = False,
+                stop_requested: Callable[[], bool] | None = None, report: dict[str, Any] | None = None,
+                pace: Callable[[int, float], None] | None = None) -> TrainResult:
+    """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
+
+    `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
+    group was formed; `root` is given to rank 0 only. `exchange` must be the same on every rank of
+    the group (it adds collective steps). `stop_requested` (a signal flag, e.g. SLURM's warning
+    before the time limit) is agreed on by all ranks at each step: the group checkpoints and
+    returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
+    `pace(step, started)`, called after each step with the step's start (perf_counter), may stretch
+    it (the straggler emulator, hpcdl.emulate). Validation runs every `train.validate_every` steps
+    and at the end; with an exchange, at the first adoption from then on, so it scores the master
+    weights.
+
+    The loop below is the order of the group's collectives, identical on every rank.
+    """
+    rank, size = hvd.rank(), hvd.size()
+    if rank == 0 and (root is None or (exchange and root.sync is None)):
+        raise ValueError("rank 0 of a group needs its GroupRoot, with a GroupSync for an exchange")
+    sync = root.sync if rank == 0 and exchange else None
+    g = _GroupModel(job, workload, paths.checkpoints)
+    _start_weights(hvd, g, sync, group)
+    duties = None
     if rank == 0:
         paths.checkpoints.mkdir(parents=True, exist_ok=True)
-        write_manifest(paths.checkpoints, job, stats, input_shape, model)
-        recorder = _Recorder(paths, storage)
-
-    shard = group * size + rank
-    batches = workload.train_batches(job, stats, shard, groups * size, seed=job.train.seed + resumed_from)
-    train_step = make_train_step(lambda batch: workload.loss(model, batch, training=True),
-                                 variables, optimizer, hvd)
-
-    flops_per_example = model.flops().training
-    batch_images = job.train.batch_per_rank
-    window_start, window_steps, last = time.perf_counter(), 0, {}
-    run_start, train_start = time.perf_counter(), time.time()
-    total_steps_here = 0
+        write_manifest(paths.checkpoints, job, stats, g.input_shape, g.model)
+        duties = _RootDuties(job, root, paths, g, group=group, ranks=size, exchange=exchange, report=report or {})
+    batches = workload.train_batches(job, stats, group * size + rank, groups * size, seed=job.train.seed + g.resumed_from)
+    train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, hvd)
     coordinate = exchange or stop_requested is not None
-    stopped = adopt = False
-    validate_every = job.train.validate_every if validate is not None and rank == 0 else 0
-    validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
-    validation_due = False
-
+    stopped = False
     try:
-        for current in range(resumed_from + 1, job.train.steps + 1):
+        for current in range(g.resumed_from + 1, job.train.steps + 1):
             started = time.perf_counter()
-            loss, grads = train_step(next(batches))
+            loss, grads = train_step(next(batches))  # collective: the gradients' allreduce
             if pace is not None:
                 pace(current, started)
-            step.assign(current)
-            window_steps += 1
-            total_steps_here += 1
-
-            if coordinate:
-                adopted = None
-                if exchange and rank == 0:
-                    adopted = sync.after_step(current, lambda: {n: g.numpy() for n, g in zip(names, grads)},
-                                              lambda: {n: v.numpy() for n, v in zip(names, variables)})
+            g.step.assign(current)
+            adopt = False
+            if coordinate:  # collective: whether to adopt and to stop; on adoption, the broadcast
+                adopted = sync.after_step(current, lambda: g.values(grads), g.values) if sync is not None else None
                 adopt, stopped = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
                 if adopt:
                     if rank == 0:
-                        _assign(variables, names, adopted)
-                    hvd.broadcast_variables(variables, root_rank=0)
-
-            if validate_every:
-                validation_due = validation_due or current % validate_every == 0
-                adopted_now = not exchange or adopt
-                if (validation_due and adopted_now) or current == job.train.steps:
-                    began = time.perf_counter()
-                    validation = {"val_step": current, **{f"val_{k}": v for k, v in validate(model).items()}}
-                    # The window's rates are the training steps': scoring is rank 0's own uncounted
-                    # work, reported as its own time (the run's sustained rate still pays it).
-                    validation["val_time_s"] = time.perf_counter() - began
-                    window_start += validation["val_time_s"]
-                    if exchange and adopted_now:  # at the last step, maybe the group's own weights
-                        validation["val_master_version"] = sync.stats().get("exchange_version")
-                    validation_due = False
-                    recorder.validation(current, validation)
-
-            if rank == 0 and (current % job.train.log_every == 0 or current == job.train.steps or stopped):
-                elapsed = time.perf_counter() - window_start
-                per_rank_images = window_steps * batch_images / elapsed
-                last = {
-                    "time": time.time(),
-                    "train_start": train_start,
-                    "group": group,
-                    "step": current,
-                    "loss": float(loss.numpy()),
-                    "ranks": size,
-                    "step_time_s": elapsed / window_steps,
-                    "images_per_s": per_rank_images * size,
-                    "flops_per_s_rank": per_rank_images * flops_per_example,
-                    "flops_per_s_group": per_rank_images * flops_per_example * size,
-                    "sustained_flops_per_s_group": total_steps_here * batch_images * flops_per_example * size
-                                                   / (time.perf_counter() - run_start),
-                    **(report or {}),
-                    **(sync.stats() if exchange else {}),
-                    **validation,
-                }
-                recorder.metrics(current, last)
-                window_start, window_steps = time.perf_counter(), 0
-            if rank == 0 and (current % job.train.checkpoint_every == 0 or current == job.train.steps or stopped):
-                recorder.checkpoint(manager, current)
+                        g.assign(adopted)
+                    hvd.broadcast_variables(g.variables, root_rank=0)
+            if duties is not None:
+                duties.after_step(current, loss, g.model, adopted=adopt, stopping=stopped)
             if stopped:
                 break
     finally:
@@ -273,15 +323,19 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
         # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
         batches.close()
 
-    # Data parallelism's invariant, asked of the ranks themselves: one 8-byte digest each.
-    digests = hvd.allgather(tf.constant([weights_digest(variables)], tf.int64), name="replica_digests").numpy()
-    if rank == 0:
-        recorder.close()
-    final = {**(last or report or {}), "step": int(step.numpy()),
+    # collective: data parallelism's invariant, asked of the ranks themselves (an 8-byte digest each)
+    digests = hvd.allgather(tf.constant([weights_digest(g.variables)], tf.int64), name="replica_digests").numpy()
+    last = duties.last if duties is not None else {}
+    if duties is not None:
+        duties.recorder.close()
+    final = {**(last or report or {}), "step": int(g.step.numpy()),
              "state": State.STOPPED if stopped else State.FINISHED,
              "replicas_identical": bool((digests == digests[0]).all())}
-    _save_the_end(hvd, recorder, manager, final, job.train.final_save_retry_s, sync if exchange else None)
-    return TrainResult(model=model, last_metrics=last, steps_run=total_steps_here, stopped=stopped)
+    # collective: the rounds that agree the end was saved
+    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final,
+                  job.train.final_save_retry_s, sync)
+    return TrainResult(model=g.model, last_metrics=last, steps_run=int(g.step.numpy()) - g.resumed_from,
+                       stopped=stopped)
 
 
 def _save_the_end(hvd, recorder: _Recorder | None, manager, final: dict[str, Any], retry_s: float,

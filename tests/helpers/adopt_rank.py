@@ -10,7 +10,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.config import load_job
-from hpcdl.engine.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 
@@ -45,7 +45,7 @@ for name, sync in (("plain", None), ("adopting", EchoSync())):
     d = out / name
     paths = GroupPaths(d / "ckpt", d / "metrics.jsonl", d / "state.json", d / "tb")
     result = train_group(job, workload, hvd, paths, stats, group=0, groups=1,
-                         storage=StorageReport(d / "storage.json"), exchange=sync is not None, sync=sync)
+                         root=GroupRoot(StorageReport(d / "storage.json"), sync), exchange=sync is not None)
     finals[name] = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / "finals.npz", **{f"{k}/{n}": v for k, w in finals.items() for n, v in w.items()})
 print(json.dumps({"adoptions": sync.adoptions}))

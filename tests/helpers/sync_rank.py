@@ -8,7 +8,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.config import load_job
-from hpcdl.engine.train import GroupPaths, train_group
+from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 
@@ -21,7 +21,7 @@ first_batch = next(workload.train_batches(job, stats, hvd.rank(), hvd.size(), se
 initial = {n: v.numpy() for n, v in workload.build_model(job.model, workload.input_shape(job), seed=0).named_variables()}
 paths = GroupPaths(out / "ckpt", out / "metrics.jsonl", out / "state.json", out / "tb")
 result = train_group(job, workload, hvd, paths, stats, group=0, groups=1,
-                     storage=StorageReport(out / "storage.json") if hvd.rank() == 0 else None)
+                     root=GroupRoot(StorageReport(out / "storage.json")) if hvd.rank() == 0 else None)
 final = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / f"rank{hvd.rank()}.npz", first_x=first_batch[0],
          **{f"final/{n}": v for n, v in final.items()}, **{f"initial/{n}": v for n, v in initial.items()})
