@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 from rich.console import Console
 
 from hpcdl import __version__
@@ -307,47 +306,84 @@ def data():
     """Generate synthetic data sets in the published layouts."""
 
 
-@data.command("generate")
-@click.argument("workload", type=click.Choice(workload_names()))
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False, path_type=Path), help="Directory for train.h5, val.h5, test.h5 (80/10/10 %).")
-@click.option("--events", type=click.IntRange(min=10), help="hep: events in total.")
-@click.option("--image-size", default=64, show_default=True, type=click.IntRange(min=8, max=512), help="hep: calorimeter image side (the paper: 64 or 224).")
-@click.option("--images", type=click.IntRange(min=10), help="climate: images in total.")
-@click.option("--height", default=96, show_default=True, type=click.IntRange(min=16), help="climate: grid rows (latitude; the real set: 768).")
-@click.option("--width", default=144, show_default=True, type=click.IntRange(min=16), help="climate: grid columns (longitude; the real set: 1152).")
-@click.option("--labelled-fraction", default=0.2, show_default=True, type=FiniteFloatRange(0.0, 1.0), help="climate: share of training images that keep their boxes (val and test are fully labelled).")
-@click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--force", is_flag=True, help="Replace a data set already in --out (a run may be reading it).")
-@click.option("--json", "as_json", is_flag=True, help="Print the written files as JSON.")
-@click.pass_context
-def data_generate(ctx, workload, out_dir, seed, force, as_json, **given):
-    """Write a physics-motivated synthetic data set in the published HDF5 layout: the NERSC
-    RPV-SUSY layout for hep, the ExtremeWeather layout for climate."""
+def _generator_option(option) -> click.Option:
+    """A workload's GeneratorOption as a click option."""
+    ranged = click.IntRange if option.kind is int else FiniteFloatRange
+    # click >= 8.3 takes an explicit default=None as a value, which satisfies `required`
+    default = {} if option.default is None else {"default": option.default, "show_default": True}
+    return click.Option([f"--{option.name.replace('_', '-')}"], type=ranged(option.low, option.high),
+                        required=option.default is None, help=option.help[:1].upper() + option.help[1:] + ".",
+                        **default)
+
+
+class GeneratorCommands(click.Group):
+    """`hpcdl data generate WORKLOAD`: a command per installed workload, with the options its
+    generator declares (`Workload.generate_count` and `generate_options`); a workload is loaded
+    only when it is named or help lists it."""
+
+    def list_commands(self, ctx):
+        return workload_names()
+
+    def get_command(self, ctx, name):
+        from hpcdl.errors import JobError
+        from hpcdl.workloads import get_workload
+
+        if name not in workload_names():
+            return None
+        try:
+            workload = get_workload(name)
+        except JobError as exc:  # a plugin that fails to load: help still lists the others
+            return _refusal(name, str(exc), "Cannot be loaded (run it for why).")
+        if not workload.generator_module or workload.generate_count is None:
+            return _refusal(name, f"the {name} workload has no synthetic data generator: its data is your own",
+                            "No generator: its data is your own.")
+        count = workload.generate_count
+        params = [_generator_option(count), *map(_generator_option, workload.generate_options), *_GENERATE_COMMON]
+        return click.Command(name, params=params, help=f"Write a synthetic {name} data set in its published layout.",
+                             callback=lambda out_dir, seed, force, as_json, **options: _generate(
+                                 workload, count.name, out_dir, seed, force, as_json, options))
+
+
+def _refusal(name: str, message: str, summary: str) -> click.Command:
+    def refuse(**_):
+        raise InputError(message)
+
+    return click.Command(name, callback=refuse, help=summary,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+
+
+_GENERATE_COMMON = [
+    click.Option(["--out", "out_dir"], required=True, type=click.Path(file_okay=False, path_type=Path),
+                 help="Directory for train.h5, val.h5, test.h5 (80/10/10 %)."),
+    click.Option(["--seed"], default=0, show_default=True, type=int),
+    click.Option(["--force"], is_flag=True, help="Replace a data set already in --out (a run may be reading it)."),
+    click.Option(["--json", "as_json"], is_flag=True, help="Print the written files as JSON."),
+]
+
+
+@data.group("generate", cls=GeneratorCommands)
+def data_generate():
+    """Write a synthetic data set in a workload's published HDF5 layout (the NERSC RPV-SUSY layout
+    for hep, the ExtremeWeather layout for climate); each workload's own options are in
+    `hpcdl data generate WORKLOAD --help`."""
+
+
+def _generate(w, count_name: str, out_dir: Path, seed: int, force: bool, as_json: bool, options: dict) -> None:
     from hpcdl.display import counting_progress
-    from hpcdl.workloads import get_workload
     from hpcdl.workloads.common import split_paths
 
-    w = get_workload(workload)
-    if not w.generator_module:
-        raise InputError(f"the {workload} workload has no synthetic data generator: its data is your own")
-    count = given.pop(w.generate_count)
-    if count is None:
-        raise InputError(f"{workload} needs --{w.generate_count}")
-    for name in given:
-        if name not in w.generate_options and ctx.get_parameter_source(name) == ParameterSource.COMMANDLINE:
-            raise InputError(f"--{name.replace('_', '-')} is not an option of {workload}")
-    options = {k: v for k, v in given.items() if k in w.generate_options}
+    count = options.pop(count_name)
     present = [p.name for p in split_paths(out_dir).values() if p.exists()]
     if present and not force:
         raise InputError(f"{out_dir} already holds {', '.join(present)}: give --force to replace the set")
-    progress, task = counting_progress(err, f"generating {w.generate_count}", count)
+    progress, task = counting_progress(err, f"generating {count_name}", count)
     with progress:
         try:
             files = w.generate(out_dir, count, seed=seed, progress=lambda n: progress.advance(task, n), **options)
         except ValueError as exc:
             raise InputError(str(exc)) from None
         except MemoryError as exc:
-            raise click.ClickException(f"not enough memory for {count} {w.generate_count}: {exc}") from None
+            raise click.ClickException(f"not enough memory for {count} {count_name}: {exc}") from None
     if as_json:
         _emit_json({k: str(v) for k, v in files.items()})
     else:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import importlib
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -48,6 +49,21 @@ class Model(ABC):
         """[(stable name, tf.Variable)] in a fixed order: the keys of checkpoints and exchange."""
 
 
+@dataclass(frozen=True)
+class GeneratorOption:
+    """One option of a workload's synthetic-data generator, as `hpcdl data generate <workload>`
+    offers it: ``--image-size`` for ``name = "image_size"``, a number of `kind` within
+    [`low`, `high`] (either bound may be None), required when it has no default. The generator's
+    `generate()` receives it as the keyword argument `name`."""
+
+    name: str
+    help: str
+    default: int | float | None = None
+    low: int | float | None = None
+    high: int | float | None = None
+    kind: type = int
+
+
 class Workload(ABC):
     """One science case: data + model + loss + metrics."""
 
@@ -56,11 +72,12 @@ class Workload(ABC):
     ModelConfig: type  # with cost(input_shape) -> (FlopCount per example, parameters), no TensorFlow
     # Compute dtypes build_model accepts (Keras policy compute_dtype; the variables stay float32).
     compute_dtypes: tuple[str, ...] = ("float32",)
-    # `hpcdl data generate`: what the generator counts (its CLI option, e.g. --events) and the
-    # other CLI options it takes (their option names with underscores).
-    generate_count: str
-    generate_options: tuple[str, ...] = ()
-    generator_module: str  # its `generate(out_dir, count, seed=, progress=, **options)`
+    # `hpcdl data generate <name>`: the module of the workload's synthetic-data generator ("":
+    # none), with its `generate(out_dir, count, seed=, progress=, **options)`; what it counts
+    # (required, passed as `count`) and its other options.
+    generator_module: str = ""
+    generate_count: GeneratorOption | None = None
+    generate_options: tuple[GeneratorOption, ...] = ()
 
     def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
         """Write a synthetic data set (train, val, test) in the workload's published layout."""

@@ -16,19 +16,33 @@ from hpcdl.workloads import get_workload, providers
 from tests.conftest import HPCDL
 
 PLUGIN = '''
+from hpcdl.workloads.base import GeneratorOption
 from hpcdl.workloads.keras.workload import KerasWorkload
 
 
 class ToyWorkload(KerasWorkload):
-    """The generic workload under another name, with a loss of its own."""
+    """The generic workload under another name, with a loss and a data generator of its own."""
 
     name = "toy"
+    generator_module = "toy_workload.generate"
+    generate_count = GeneratorOption("rows", "rows in total", low=4)
+    generate_options = (GeneratorOption("noise", "label noise", default=0.1, low=0.0, kind=float),)
 
     def loss(self, model, batch, training):
         return 2.0 * super().loss(model, batch, training)
 
 
 WORKLOAD = ToyWorkload()
+'''
+
+GENERATOR = '''
+import json
+
+
+def generate(out_dir, count, *, seed, progress=None, noise):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train.h5").write_text(json.dumps({"count": count, "seed": seed, "noise": noise}))
+    return {"train": out_dir / "train.h5"}
 '''
 
 ENTRY_POINTS = '''[hpcdl.workloads]
@@ -43,6 +57,7 @@ def plugin_site(tmp_path, monkeypatch) -> Path:
     site = tmp_path / "site"
     (site / "toy_workload").mkdir(parents=True)
     (site / "toy_workload" / "__init__.py").write_text(PLUGIN)
+    (site / "toy_workload" / "generate.py").write_text(GENERATOR)
     dist = site / "toy_hpcdl_workload-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-hpcdl-workload\nVersion: 0.1\n")
@@ -96,3 +111,27 @@ def test_hpcdl_workloads_lists_names_sources_and_fields(plugin_site):
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot import toy_workload.missing" in lines[0], refused.stderr
+
+
+def test_a_plugin_declares_its_generator_options_and_hpcdl_data_generate_offers_them(plugin_site, tmp_path):
+    from click.testing import CliRunner
+
+    from hpcdl.cli import main
+
+    runner = CliRunner()
+    listing = runner.invoke(main, ["data", "generate", "--help"])
+    assert listing.exit_code == 0, listing.output
+    assert "toy" in listing.output and "broken" in listing.output and "hep" in listing.output
+    help_text = runner.invoke(main, ["data", "generate", "toy", "--help"]).output
+    assert "--rows" in help_text and "--noise" in help_text and "--events" not in help_text
+    out = tmp_path / "toy-data"
+    made = runner.invoke(main, ["data", "generate", "toy", "--out", str(out), "--rows", "12", "--noise", "0.5"])
+    assert made.exit_code == 0, made.output
+    assert json.loads((out / "train.h5").read_text()) == {"count": 12, "seed": 0, "noise": 0.5}
+    for args, message in [(["toy", "--out", str(out), "--noise", "1"], "Missing option '--rows'"),
+                          (["toy", "--out", str(out), "--rows", "12", "--events", "9"], "No such option '--events'"),
+                          (["keras", "--out", str(out)], "the keras workload has no synthetic data generator"),
+                          (["broken", "--out", str(out)], "cannot import toy_workload.missing")]:
+        refused = runner.invoke(main, ["data", "generate", *args])
+        assert refused.exit_code == 2 and message in refused.output, (args, refused.output)
+        assert len(refused.output.strip().splitlines()) == 1, refused.output

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpcdl.errors import JobError
-from hpcdl.workloads.base import Workload
+from hpcdl.workloads.base import GeneratorOption, Workload
 from hpcdl.workloads.climate import data as cdata
 from hpcdl.workloads.climate.boxes import decode_grid
 from hpcdl.workloads.climate.config import ClimateDataConfig, ClimateModelConfig
@@ -31,9 +31,14 @@ class ClimateWorkload(Workload):
     name = "climate"
     DataConfig = ClimateDataConfig
     ModelConfig = ClimateModelConfig
-    generate_count = "images"
-    generate_options = ("height", "width", "labelled_fraction")
     generator_module = "hpcdl.workloads.climate.generate"
+    generate_count = GeneratorOption("images", "images in total", low=10)
+    generate_options = (
+        GeneratorOption("height", "grid rows (latitude; the real set: 768)", default=96, low=16),
+        GeneratorOption("width", "grid columns (longitude; the real set: 1152)", default=144, low=16),
+        GeneratorOption("labelled_fraction", "share of training images that keep their boxes (val and test are "
+                        "fully labelled)", default=0.2, low=0.0, high=1.0, kind=float),
+    )
 
     def check_data(self, job) -> None:
         prep = cdata.Preprocess.from_config(job.data)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hpcdl.errors import JobError
-from hpcdl.workloads.base import Workload
+from hpcdl.workloads.base import GeneratorOption, Workload
 from hpcdl.workloads.hep import data as hepdata
 from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig
 from hpcdl.workloads.hep.normalization import Normalization
@@ -24,9 +24,10 @@ class HepWorkload(Workload):
     DataConfig = HepDataConfig
     ModelConfig = HepModelConfig
     compute_dtypes = ("float32", "bfloat16")
-    generate_count = "events"
-    generate_options = ("image_size",)
     generator_module = "hpcdl.workloads.hep.generate"
+    generate_count = GeneratorOption("events", "events in total", low=10)
+    generate_options = (GeneratorOption("image_size", "calorimeter image side (the paper: 64 or 224)",
+                                        default=64, low=8, high=512),)
 
     def check_data(self, job) -> None:
         try:

@@ -39,8 +39,6 @@ class KerasWorkload(Workload):
     DataConfig = KerasDataConfig
     ModelConfig = KerasModelConfig
     compute_dtypes = ("float32", "bfloat16")
-    generate_count = ""  # no synthetic generator: the data is the user's
-    generator_module = ""
 
     # -- checks at submit ----------------------------------------------------------------------
 
