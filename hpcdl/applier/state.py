@@ -9,15 +9,13 @@ state damaged after its commit (a disk, a careless hand) leaves one to recover f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
-
-import os
 from pathlib import Path
+from typing import Any, Mapping
 
 import numpy as np
 
 from hpcdl.applier.ledger import Ledger
-from hpcdl.exchange import Channel, CorruptFile, read_file, write_file
+from hpcdl.exchange import Channel, CorruptFile
 
 COUNTERS = ("applied", "dropped_stale", "downweighted", "rejected_corrupt", "rejected_invalid",
             "duplicates", "vanished", "rejected_proposals")
@@ -74,21 +72,14 @@ class DurableState:
             "last_batch": self.last_batch, "last_apply_time": self.last_apply_time,
             "recovered": self.recovered,
         }
-        try:  # the committed state becomes the previous generation; a crash here leaves only it
-            os.replace(channel.state_path, channel.previous_state_path)
-        except FileNotFoundError:
-            pass
-        write_file(channel.state_path, run_id=channel.run_id, kind="state", tensors=tensors,
-                   signer=channel.signer, version=self.version, meta=meta, fsync=channel.fsync,
-                   access=channel.access)
+        channel.publish_state(self.version, tensors, meta)
 
     @classmethod
     def load(cls, channel: Channel, optimizer: str, slot_names: tuple[str, ...],
              path: Path | None = None) -> "DurableState":
         """The saved state (``path``: one generation, by default the newest); CorruptFile if it
         is damaged, ValueError if another update rule wrote it (its slots would not fit)."""
-        header, tensors = read_file(path or channel.state_path, run_id=channel.run_id,
-                                    signer=channel.signer, kinds=("state",))
+        header, tensors = channel.read_state(path)
         meta = header["meta"]
         if meta["optimizer"] != optimizer:
             raise ValueError(f"{channel.state_path} was written with optimizer "

@@ -289,6 +289,22 @@ class Channel:
                 continue
         raise FileNotFoundError(f"weights kept vanishing while reading {self.weights_dir}")
 
+    # -- the applier's state ---------------------------------------------------------------------
+
+    def publish_state(self, version: int, tensors: Tensors, meta: dict[str, Any]) -> Path:
+        """Commit the applier's state; the one committed before becomes the previous generation
+        (a crash between the two steps leaves only that one, which the applier then recovers)."""
+        _check_nonneg(version=version)
+        try:
+            os.replace(self.state_path, self.previous_state_path)
+        except FileNotFoundError:
+            pass
+        return self._write(self.state_path, "state", tensors, version=version, meta=meta)
+
+    def read_state(self, path: Path | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """A committed generation of the applier's state (by default the newest): header and tensors."""
+        return self._read(path or self.state_path, "state")
+
     def prune_weights(self, keep: int) -> int:
         """Delete all but the newest ``keep`` weight versions; returns how many were deleted."""
         if keep < 1:

@@ -74,18 +74,20 @@ def test_applier_on_a_full_tmpfs(tiny_fs):
 
 def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", fsync=False)
-    import hpcdl.applier.state as st  # the module that writes the durable state
+    import hpcdl.exchange.channel as ex  # the module that writes the durable state
     import hpcdl.files as ap  # the module that appends the events
 
     real_write = ap.os.write
-    real_write_file = st.write_file
+    real_write_file = ex.write_file
 
     def half_write(fd, data):  # events.jsonl: part of the batch's lines, then full
         real_write(fd, bytes(data)[: max(1, len(data) // 2)])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def no_state(*a, **k):
-        raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+    def no_state(*a, kind, **k):
+        if kind == "state":
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        return real_write_file(*a, kind=kind, **k)
 
     flip = {"n": 0}
 
@@ -100,17 +102,17 @@ def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch)
 
     def healing():
         monkeypatch.setattr(ap.os, "write", real_write)
-        monkeypatch.setattr(st, "write_file", real_write_file)
+        monkeypatch.setattr(ex, "write_file", real_write_file)
 
     app = run_applier_through_full_disk(ch, break_disk=breaking, make_room=healing, frozen=False)
     check_applier_after(ch, app)
     # and a state write that fails: the old state stays, nothing is applied twice
-    monkeypatch.setattr(st, "write_file", no_state)
+    monkeypatch.setattr(ex, "write_file", no_state)
     app = applier_for(ch, "sgd", 1.0)
     ch.publish_update(0, 12, 0, grad(12))
     with pytest.raises(OSError):
         app.step()
-    monkeypatch.setattr(st, "write_file", real_write_file)
+    monkeypatch.setattr(ex, "write_file", real_write_file)
     app.close()
     app = applier_for(ch, "sgd", 1.0)
     assert app.version == 12
