@@ -1,4 +1,4 @@
-"""bench.exchange_load with exchange.shards = K (issue 14, item 4): K applier processes, the
+"""bench.exchange_load with exchange.shards = K: K applier processes, the
 group roots split each update over them, and the exactly-once ledger holds in every shard."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The HEP HDF5 reader under fuzzing (issue 7, part 3): truncated files, mutated bytes, lying
+"""The HEP HDF5 reader under fuzzing: truncated files, mutated bytes, lying
 layouts and absurd sizes must end in a clean DataError (one line, names the file) with bounded
 memory -- never a KeyError/RuntimeError from deep inside h5py, never an allocation sized by what
 the file claims.
@@ -145,7 +145,7 @@ def test_mutated_files_never_crash_the_process_or_hang(originals):
     script = textwrap.dedent(f"""
         import collections, json, random, sys
         from pathlib import Path
-        from tests.workloads.hep.test_hdf5_hardening import mutate, read_everything
+        from tests.workloads.hep.test_reader_fuzz import mutate, read_everything
         from hpcdl.workloads.hep.data import DataError
         files = {{k: Path(p).read_bytes() for k, p in json.loads(sys.argv[1]).items()}}
         seen = collections.Counter()
