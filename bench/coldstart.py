@@ -30,6 +30,7 @@ from pathlib import Path
 
 from bench.harness import HPCDL, machine, result_path, write_result
 from bench.local_runs import metrics
+from hpcdl.workloads.common import split_paths
 
 SUITE = "coldstart"
 MAKE_RUN = ["model.filters=32"]
@@ -37,10 +38,11 @@ SETTINGS = {"two updates in flight": ["exchange.max_outstanding=2"], "job defaul
 
 
 def data_files(work: Path, events: int) -> dict[str, Path]:
-    if not (work / "test.h5").is_file():
+    files = split_paths(work)
+    if not all(path.is_file() for path in files.values()):
         subprocess.run([HPCDL, "data", "generate", "hep", "--out", str(work), "--events", str(events),
-                        "--image-size", "64"], check=True, capture_output=True)
-    return {split: work / f"{split}.h5" for split in ("train", "val", "test")}
+                        "--image-size", "64", "--force"], check=True, capture_output=True)
+    return files
 
 
 def data_sets(data: dict[str, Path]) -> list[str]:

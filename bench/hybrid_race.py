@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness import HPCDL, Probe, log, machine, publish, result_path, write_result
+from hpcdl.runs import RunDir
 
 SUITE = "race"
 RANKS = 8
@@ -169,8 +170,6 @@ class Watched:
     """What the race reads of one run while it trains, through the run's own path owners."""
 
     def __init__(self, root: Path, config: Config):
-        from hpcdl.runs import RunDir
-
         self.run = RunDir(root)
         self.config = config
         self.job = self.run.load_job()
@@ -305,7 +304,7 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
     while proc.poll() is None:
         time.sleep(0.25)
         if watched is None:
-            found = [p for p in runs.iterdir() if p.name.startswith("hep-") and (p / "job.toml").is_file()]
+            found = [p for p in runs.iterdir() if p.name.startswith("hep-") and RunDir(p).job_file.is_file()]
             if found:
                 try:
                     watched = Watched(found[0], config)
@@ -358,7 +357,7 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
     if watched is not None:
         watched.figures(res)
         if not args.keep_runs:
-            shutil.rmtree(watched.run.root / "checkpoints", ignore_errors=True)
+            shutil.rmtree(watched.run.checkpoints_root, ignore_errors=True)
     if not args.keep_runs:
         shutil.rmtree(keep, ignore_errors=True)
     reached = ", ".join(f"{t} at {v:.0f} s" for t, v in res.times_to_target.items() if v is not None)

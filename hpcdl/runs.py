@@ -98,7 +98,8 @@ class RunDir:
     @staticmethod
     def holds_run(path: Path) -> bool:
         """Whether `path` is a run directory (its job and its info exist)."""
-        return (path / "job.toml").is_file() and (path / "run.json").is_file()
+        run = RunDir(path)
+        return run.job_file.is_file() and run.info_file.is_file()
 
     @property
     def job_file(self) -> Path:
@@ -258,8 +259,13 @@ class RunDir:
         """The output of the local mpirun of a group (its ranks write their own rank logs)."""
         return self.group_dir(group) / "mpirun.log"
 
+    @property
+    def checkpoints_root(self) -> Path:
+        """Every group's checkpoint directory."""
+        return self.root / "checkpoints"
+
     def checkpoint_dir(self, group: int) -> Path:
-        return self.root / "checkpoints" / str(group)
+        return self.checkpoints_root / str(group)
 
     def tensorboard_dir(self, group: int) -> Path:
         return self.root / "tensorboard" / str(group)
@@ -410,8 +416,7 @@ def list_runs(runs_dir: str | Path = "runs") -> list[RunDir]:
     base = Path(runs_dir)
     if not base.is_dir():
         return []
-    runs = [RunDir(p) for p in base.iterdir()
-            if not p.name.startswith(".") and (p / "run.json").is_file()]
+    runs = [RunDir(p) for p in base.iterdir() if not p.name.startswith(".") and RunDir(p).info_file.is_file()]
     return sorted(runs, key=lambda r: (r.created(), r.run_id), reverse=True)
 
 
@@ -421,7 +426,7 @@ def find_run(ref: str | None, runs_dir: str | Path = "runs") -> RunDir:
         path = Path(ref)
         if not path.is_dir():
             path = Path(runs_dir) / ref
-        if not (path / "job.toml").is_file():
+        if not RunDir(path).job_file.is_file():
             raise RunError(f"no run at {ref!r} (give a run directory or a run id under {runs_dir}/)")
         return RunDir(path)
     runs = list_runs(runs_dir)

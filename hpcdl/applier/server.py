@@ -514,7 +514,7 @@ class Applier:
                 else:
                     state.counters["rejected_corrupt"] += 1
                 if ev.get("file"):  # the post-commit move may not have happened
-                    state.last_batch["reject"].append(f"updates/{ev['file']}")
+                    state.last_batch["reject"].append(self.ch.relative(self.ch.updates_dir / ev["file"]))
             elif kind in ("duplicate", "vanished"):
                 state.counters["duplicates" if kind == "duplicate" else "vanished"] += 1
             else:
