@@ -85,14 +85,13 @@ def resolve_shards(job: Job) -> tuple[Job, str]:
     else:
         inputs = PlanInputs.measured_here(
             AUTO_SHARDS_NODE_FLOPS, batch_per_node=job.train.batch_per_rank * job.run.ranks_per_node,
-            model=job.model if job.workload == "hep" else None,
             source="exchange.shards = \"auto\"").with_values("the job", **job_exchange_values(job.exchange))
         try:
             flops, params = get_workload(job.workload).network_cost(job)
             inputs = inputs.with_values(f"the {job.workload} network at its data's size",
                                         flops_per_example=flops, model_bytes=float(params * 4))
             sized = f"the {job.workload} network's {params:,} parameters"
-        except (ValueError, OSError):  # data not readable here: the HEP network at 224², said
+        except (ValueError, OSError):  # data not readable here: the planner's own network, said
             sized = "the HEP network at 224² (data.train not readable here)"
         advice = recommend_shards(inputs, job.run.nodes, groups)
         shards = advice.shards
