@@ -338,7 +338,12 @@ class GeneratorCommands(click.Group):
             return _refusal(name, f"the {name} workload has no synthetic data generator: its data is your own",
                             "No generator: its data is your own.")
         count = workload.generate_count
-        params = [_generator_option(count), *map(_generator_option, workload.generate_options), *_GENERATE_COMMON]
+        declared = [count, *workload.generate_options]
+        taken = sorted({o.name for o in declared} & _GENERATE_COMMON_NAMES)
+        if taken:
+            return _refusal(name, f"the {name} workload's generator declares {', '.join(taken)}, which "
+                            "`hpcdl data generate` takes itself", "Cannot be used (run it for why).")
+        params = [*map(_generator_option, declared), *_GENERATE_COMMON]
         return click.Command(name, params=params, help=f"Write a synthetic {name} data set in its published layout.",
                              callback=lambda out_dir, seed, force, as_json, **options: _generate(
                                  workload, count.name, out_dir, seed, force, as_json, options))
@@ -359,6 +364,9 @@ _GENERATE_COMMON = [
     click.Option(["--force"], is_flag=True, help="Replace a data set already in --out (a run may be reading it)."),
     click.Option(["--json", "as_json"], is_flag=True, help="Print the written files as JSON."),
 ]
+# what a workload's generator option may not be called: these options' flags and parameter names
+_GENERATE_COMMON_NAMES = {p.name for p in _GENERATE_COMMON} | {
+    flag.lstrip("-").replace("-", "_") for p in _GENERATE_COMMON for flag in p.opts}
 
 
 @data.group("generate", cls=GeneratorCommands)

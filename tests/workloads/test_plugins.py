@@ -135,3 +135,19 @@ def test_a_plugin_declares_its_generator_options_and_hpcdl_data_generate_offers_
         refused = runner.invoke(main, ["data", "generate", *args])
         assert refused.exit_code == 2 and message in refused.output, (args, refused.output)
         assert len(refused.output.strip().splitlines()) == 1, refused.output
+
+
+def test_a_generator_option_may_not_take_the_name_of_one_hpcdl_gives_every_generator(plugin_site, monkeypatch, tmp_path):
+    import dataclasses
+
+    from click.testing import CliRunner
+
+    from hpcdl.cli import main
+
+    toy = type(get_workload("toy"))
+    monkeypatch.setattr(toy, "generate_options", (*toy.generate_options, dataclasses.replace(
+        toy.generate_options[0], name="seed")))
+    refused = CliRunner().invoke(main, ["data", "generate", "toy", "--out", str(tmp_path), "--rows", "12"])
+    assert refused.exit_code == 2, refused.output
+    assert refused.output.strip() == ("Error: the toy workload's generator declares seed, which "
+                                      "`hpcdl data generate` takes itself")
