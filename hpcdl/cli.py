@@ -311,9 +311,9 @@ def _generator_option(option) -> click.Option:
     ranged = click.IntRange if option.kind is int else FiniteFloatRange
     # click >= 8.3 takes an explicit default=None as a value, which satisfies `required`
     default = {} if option.default is None else {"default": option.default, "show_default": True}
+    text = option.help[:1].upper() + option.help[1:]
     return click.Option([f"--{option.name.replace('_', '-')}"], type=ranged(option.low, option.high),
-                        required=option.default is None, help=option.help[:1].upper() + option.help[1:] + ".",
-                        **default)
+                        required=option.default is None, help=text if text.endswith(".") else text + ".", **default)
 
 
 class GeneratorCommands(click.Group):

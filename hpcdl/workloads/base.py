@@ -26,7 +26,9 @@ installed. When each method is called, and where:
 from __future__ import annotations
 
 import importlib
-
+import os
+import shutil
+import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,9 +82,35 @@ class Workload(ABC):
     generate_options: tuple[GeneratorOption, ...] = ()
 
     def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
-        """Write a synthetic data set (train, val, test) in the workload's published layout."""
+        """Write a synthetic data set (train, val, test) in the workload's published layout.
+
+        The generator writes into a new directory inside `out_dir`; its files are moved into
+        `out_dir` together when it returns, so a generator that fails leaves the older set whole
+        and nothing of its own behind."""
+        from hpcdl.files import fsync_dir
+
         generator = importlib.import_module(self.generator_module)  # numpy and h5py only, when asked
-        return generator.generate(out_dir, count, seed=seed, progress=progress, **options)
+        out_dir = Path(out_dir)
+        made = not out_dir.exists()
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=".generating-", dir=out_dir))
+        except OSError as exc:  # /proc/x, a read-only or foreign directory: one line, nothing written
+            raise ValueError(f"cannot write into {out_dir}: {exc.strerror or exc}") from None
+        try:
+            files = {name: Path(path) for name, path in
+                     generator.generate(staging, count, seed=seed, progress=progress, **options).items()}
+            outside = [str(path) for path in files.values() if path.parent != staging]
+            if outside:
+                raise ValueError(f"the {self.name} generator wrote {outside[0]} outside the directory it was given")
+            for path in files.values():
+                os.replace(path, out_dir / path.name)
+            fsync_dir(out_dir)
+            return {name: out_dir / path.name for name, path in files.items()}
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            if made and not any(out_dir.iterdir()):
+                out_dir.rmdir()
 
     @abstractmethod
     def check_data(self, job) -> None:

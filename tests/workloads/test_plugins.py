@@ -40,9 +40,11 @@ import json
 
 
 def generate(out_dir, count, *, seed, progress=None, noise):
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "train.h5").write_text(json.dumps({"count": count, "seed": seed, "noise": noise}))
-    return {"train": out_dir / "train.h5"}
+    if noise > 0.9:  # a generator that fails half-way, its first file written in place
+        raise ValueError("too noisy to finish")
+    (out_dir / "val.h5").write_text("{}")
+    return {"train": out_dir / "train.h5", "val": out_dir / "val.h5"}
 '''
 
 ENTRY_POINTS = '''[hpcdl.workloads]
@@ -128,7 +130,12 @@ def test_a_plugin_declares_its_generator_options_and_hpcdl_data_generate_offers_
     made = runner.invoke(main, ["data", "generate", "toy", "--out", str(out), "--rows", "12", "--noise", "0.5"])
     assert made.exit_code == 0, made.output
     assert json.loads((out / "train.h5").read_text()) == {"count": 12, "seed": 0, "noise": 0.5}
-    for args, message in [(["toy", "--out", str(out), "--noise", "1"], "Missing option '--rows'"),
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    failed = runner.invoke(main, ["data", "generate", "toy", "--out", str(out), "--rows", "20", "--noise", "0.95",
+                                  "--force"])
+    assert failed.exit_code == 2 and failed.output.strip().splitlines()[-1] == "Error: too noisy to finish", failed.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the old set whole, no staging left
+    for args, message in [(["toy", "--out", str(out), "--noise", "0.2"], "Missing option '--rows'"),
                           (["toy", "--out", str(out), "--rows", "12", "--events", "9"], "No such option '--events'"),
                           (["keras", "--out", str(out)], "the keras workload has no synthetic data generator"),
                           (["broken", "--out", str(out)], "cannot import toy_workload.missing")]:
