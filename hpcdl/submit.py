@@ -24,6 +24,7 @@ from hpcdl.schedulers.select import choose_backend
 from hpcdl.schedulers.base import DryRun
 from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
+from hpcdl.workloads.common import absolute_split_paths
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     backend "auto" chose, so the user knows it even when a check then refuses the job."""
     read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
     job = load_job(job_ref, overrides)
+    job = job.replace(data=absolute_split_paths(job.data, Path.cwd()))  # relative to where one submits
     check_plain_text("the job's name", job.name)  # it starts the run id, a directory name
     note = ""
     if job.run.backend == "auto":

@@ -1,5 +1,7 @@
 """Bad input: one line naming the problem, exit 2 for usage errors, nothing left behind."""
 
+from pathlib import Path
+
 import h5py
 import numpy as np
 import pytest
@@ -140,3 +142,15 @@ def test_dry_run_writes_nothing_and_shows_commands(runner, hep_files, tmp_path):
 def test_completion_script(runner):
     code, output = run_cli(runner, ["completion", "bash"])
     assert code == 0 and "_HPCDL_COMPLETE" in output
+
+
+def test_relative_data_paths_are_kept_absolute_from_where_one_submits(hep_files, tmp_path, monkeypatch):
+    """A job's data files are named relative to the directory it is submitted from; the run keeps
+    them absolute, so status, evaluate and resume find them from any other directory."""
+    from hpcdl.submit import prepare
+
+    monkeypatch.chdir(hep_files["train"].parent)
+    overrides = tiny_overrides({"train": Path("train.h5"), "test": Path("sub/../test.h5")}, tmp_path / "runs")
+    job = prepare("hep", overrides, cluster={"cores": 2}).job
+    assert (job.data.train, job.data.val, job.data.test) == (str(hep_files["train"]), str(hep_files["test"]),
+                                                              str(hep_files["test"]))

@@ -21,6 +21,7 @@ functions that use them, so importing a workload's metrics needs neither.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -130,6 +131,18 @@ def drain_queue(q: "queue.Queue") -> None:
 # generator arguments and split files
 
 SPLITS = ("train", "val", "test")
+
+
+def absolute_split_paths(data, base: Path):
+    """A `[data]` section with its split files (its `SPLITS` fields given as relative paths) made
+    absolute from `base`, the directory the job is submitted from: the run's job.toml then names
+    the same files from any shell and node (status, evaluate, resume)."""
+    changes = {}
+    for name in SPLITS:
+        value = getattr(data, name, None)
+        if isinstance(value, str) and value and not os.path.isabs(value):
+            changes[name] = os.path.normpath(os.path.join(base, value))
+    return dataclasses.replace(data, **changes) if changes else data
 
 
 def split_paths(out_dir) -> Dict[str, Path]:
