@@ -377,20 +377,26 @@ def load_job(name_or_path: str, overrides: Mapping[str, str] | list[str] = ()) -
     return job.replace(**resolved) if resolved else job
 
 
-def job_from_dict(raw: Mapping[str, Any]) -> Job:
+def job_from_dict(raw: Mapping[str, Any], *, workload_code: bool = True) -> Job:
+    """The job a parsed job file describes. `workload_code=False` leaves `[data]` and `[model]`
+    the plain tables they are, without loading the workload, for what only watches or stops a
+    run (status, cancel) from a shell where the workload's package may not be installed."""
     from hpcdl.workloads import get_workload  # workloads import config; avoid the cycle at import
 
     raw = dict(raw)
     workload_name = raw.pop("workload", None)
     if not isinstance(workload_name, str):
         raise JobError("the job file must name its workload, e.g. workload = \"hep\"")
-    workload = get_workload(workload_name)
     name = str(raw.pop("name", workload_name))
-    sections = {"data": workload.DataConfig, "model": workload.ModelConfig, **COMMON_SECTIONS}
+    sections: dict[str, Any] = {"data": None, "model": None, **COMMON_SECTIONS}
+    if workload_code:
+        workload = get_workload(workload_name)
+        sections.update(data=workload.DataConfig, model=workload.ModelConfig)
     unknown = set(raw) - set(sections)
     if unknown:
         raise JobError(f"unknown section(s) in job: {', '.join(sorted(unknown))}")
-    built = {key: _build_section(key, cls, raw.get(key, {})) for key, cls in sections.items()}
+    built = {key: _build_section(key, cls, raw.get(key, {})) if cls is not None else _table(key, raw.get(key, {}))
+             for key, cls in sections.items()}
     job = Job(name=name, workload=workload_name, **built)
     for value in built.values():
         if hasattr(value, "validate"):
@@ -444,9 +450,14 @@ class CommandLineValue:
         return value
 
 
-def _build_section(section: str, cls: type, values: Any) -> Any:
+def _table(section: str, values: Any) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise JobError(f"[{section}] must be a table")
+    return dict(values)
+
+
+def _build_section(section: str, cls: type, values: Any) -> Any:
+    _table(section, values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = set(values) - set(fields)

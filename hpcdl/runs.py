@@ -130,7 +130,7 @@ class RunDir:
             raise RunError(str(exc)) from None
 
     def access(self, job: Job | None = None) -> Access:
-        return access_for_job(job or self.load_job())
+        return access_for_job(job or self.load_job(workload_code=False))
 
     def storage_file(self, group: int) -> Path:
         return self.group_dir(group) / REPORT_FILE
@@ -291,11 +291,12 @@ class RunDir:
             return []
         return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())
 
-    def load_job(self) -> Job:
+    def load_job(self, *, workload_code: bool = True) -> Job:
+        """The run's job (see config.job_from_dict for `workload_code`)."""
         if not self.job_file.is_file():
             raise RunError(f"{self.root} is not a run directory (no job.toml)")
         try:
-            return job_from_dict(read_toml_file(self.job_file))
+            return job_from_dict(read_toml_file(self.job_file), workload_code=workload_code)
         except JobError as exc:
             raise RunError(f"{self.job_file}: {exc}") from None
 

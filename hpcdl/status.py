@@ -46,7 +46,7 @@ def _read_json(path) -> dict[str, Any] | None:
 
 def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str, Any]:
     info = run.info()
-    job = run.load_job()
+    job = run.load_job(workload_code=False)  # watching needs no workload's code
     if backend_view is None:
         from hpcdl.schedulers import get_scheduler
 

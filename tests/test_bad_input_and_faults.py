@@ -551,3 +551,14 @@ def test_a_full_disk_across_the_end_of_training_loses_nothing(hep_files, tmp_pat
         if run_dir is not None:
             stop_leftovers(run_dir)
 
+
+
+def test_a_run_is_watched_and_cancelled_where_its_workload_is_not_installed(run):
+    """status and cancel read the run's files only; evaluate, which runs the model, says what is missing."""
+    run.job_file.write_text(run.job_file.read_text().replace('workload = "hep"', 'workload = "gone"'))
+    for command in ("status", "cancel"):
+        result = CliRunner().invoke(main, [command, str(run.root)], catch_exceptions=False)
+        assert result.exit_code == 0, (command, result.output)
+    assert "gone" in CliRunner().invoke(main, ["status", str(run.root), "--json"]).output
+    one_error_line(CliRunner().invoke(main, ["evaluate", str(run.root)], catch_exceptions=False),
+                   "unknown workload 'gone'")

@@ -417,7 +417,7 @@ class SlurmScheduler(Scheduler):
         else:
             note = f"sacct unavailable ({acct.stderr.strip() or 'no accounting'}): states of ended jobs unknown"
         array = ids["slurm_array_job_id"]
-        groups_total = run.load_job().run.groups
+        groups_total = run.load_job(workload_code=False).run.groups
         groups = {}
         for g in range(groups_total):
             info = jobs.get(f"{array}_{g}") or jobs.get(f"{array}_[{g}]")
