@@ -84,7 +84,8 @@ class Workload(ABC):
     def generate(self, out_dir: Path, count: int, *, seed: int, progress=None, **options) -> dict[str, Path]:
         """Write a synthetic data set (train, val, test) in the workload's published layout.
 
-        The generator writes into a new directory inside `out_dir`; its files are moved into
+        `progress(n)`, if given, hears each time n more examples are written. The generator
+        writes into a new directory inside `out_dir`; the files it returns are moved into
         `out_dir` together when it returns, so a generator that fails leaves the older set whole
         and nothing of its own behind."""
         from hpcdl.files import fsync_dir
@@ -167,4 +168,5 @@ class Workload(ABC):
     @abstractmethod
     def evaluate(self, model, stats: dict[str, Any], data: Path, out_dir: Path,
                  scores_out: Path | None = None, progress=None) -> dict[str, Any]:
-        """Score `data`, write plots into out_dir, and return the metrics as a JSON-able dict."""
+        """Score `data`, write plots into out_dir, and return the metrics as a JSON-able dict;
+        `progress(n)`, if given, hears each time n more examples are scored."""
