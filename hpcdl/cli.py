@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -343,8 +344,13 @@ class GeneratorCommands(click.Group):
         if taken:
             return _refusal(name, f"the {name} workload's generator declares {', '.join(taken)}, which "
                             "`hpcdl data generate` takes itself", "Cannot be used (run it for why).")
+        try:  # numpy and h5py, for its summary: the first paragraph of the generator's docstring
+            summary = (importlib.import_module(workload.generator_module).__doc__ or "").split("\n\n")[0]
+        except Exception as exc:  # a plugin's generator that does not import
+            return _refusal(name, f"the {name} workload's generator {workload.generator_module} cannot be "
+                            f"imported: {type(exc).__name__}: {exc}", "Cannot be used (run it for why).")
         params = [*map(_generator_option, declared), *_GENERATE_COMMON]
-        return click.Command(name, params=params, help=f"Write a synthetic {name} data set in its published layout.",
+        return click.Command(name, params=params, help=summary or f"Write a synthetic {name} data set.",
                              callback=lambda out_dir, seed, force, as_json, **options: _generate(
                                  workload, count.name, out_dir, seed, force, as_json, options))
 
@@ -371,9 +377,8 @@ _GENERATE_COMMON_NAMES = {p.name for p in _GENERATE_COMMON} | {
 
 @data.group("generate", cls=GeneratorCommands)
 def data_generate():
-    """Write a synthetic data set in a workload's published HDF5 layout (the NERSC RPV-SUSY layout
-    for hep, the ExtremeWeather layout for climate); each workload's own options are in
-    `hpcdl data generate WORKLOAD --help`."""
+    """Write a synthetic data set (train, val and test files) in a workload's own layout, by the
+    generator the workload brings; its options are in `hpcdl data generate WORKLOAD --help`."""
 
 
 def _generate(w, count_name: str, out_dir: Path, seed: int, force: bool, as_json: bool, options: dict) -> None:
