@@ -242,9 +242,6 @@ class EmulateConfig:
             raise JobError(f"emulate.seed must be >= 0, got {self.seed}")
 
 
-# float32; "bfloat16": oneDNN's BF16 fpmath mode on the float32 model (falls back to float32 where
-# the CPU has no bfloat16 unit); "mixed_bfloat16": Keras' policy, bfloat16 activations with float32
-# weights and loss, refused where the CPU has no bfloat16 unit (hpcdl.engine.tuning).
 PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
 CONV_WEIGHT_GRAD_CHOICES = ("auto", *CONV_WEIGHT_GRADS)  # auto: hpcdl.engine.tuning's rule per CPU
 
@@ -258,8 +255,13 @@ class TuningConfig:
     onednn: bool = True  # oneDNN's kernels (TF_ENABLE_ONEDNN_OPTS)
     kmp_blocktime: int = 0  # KMP_BLOCKTIME, for OpenMP-linked libraries
     kmp_affinity: str = "granularity=fine,compact,1,0"  # KMP_AFFINITY, for OpenMP-linked libraries
-    precision: str = "float32"  # see PRECISION_CHOICES
-    conv_weight_grad: str = "auto"  # see CONV_WEIGHT_GRAD_CHOICES and hpcdl.engine.tuning
+    # "bfloat16": oneDNN's BF16 math mode on the float32 model (float32 where the CPU has no
+    # bfloat16 unit); "mixed_bfloat16": bfloat16 activations with float32 weights and loss, for a
+    # workload that computes in bfloat16 (hep, keras), refused where the CPU has no bfloat16 unit
+    precision: str = "float32"
+    # "tensorflow" (oneDNN's kernel) or "gemm" (matmuls) for a convolution's weight gradient in
+    # hpcdl's own layers; "auto": hpcdl.engine.tuning's rule for the CPU
+    conv_weight_grad: str = "auto"
 
     def validate(self) -> None:
         for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):

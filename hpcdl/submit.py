@@ -68,7 +68,11 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
         raise JobError(f"exchange.directory: {exchange} exists and is not a directory")
     # on both backends: a missing file would fail every SLURM element; a workload that builds
     # the user's model checks it here, once, even when the data is only on the compute nodes
-    get_workload(job.workload).check_job(job, data=job.run.check_data)
+    try:
+        get_workload(job.workload).check_job(job, data=job.run.check_data)
+    except OSError as exc:  # a plugin's own reader (h5py says neither field nor file): say whose check
+        raise JobError(f"the {job.workload} workload's check of the job's data failed: "
+                       f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")) from None
     return Prepared(job, scheduler, dryrun, note)
 
 

@@ -154,3 +154,17 @@ def test_relative_data_paths_are_kept_absolute_from_where_one_submits(hep_files,
     job = prepare("hep", overrides, cluster={"cores": 2}).job
     assert (job.data.train, job.data.val, job.data.test) == (str(hep_files["train"]), str(hep_files["test"]),
                                                               str(hep_files["test"]))
+
+
+def test_an_os_error_from_a_workloads_data_check_is_one_line_naming_the_workload(runner, hep_files, tmp_path,
+                                                                                 monkeypatch):
+    """A plugin's own reader may let h5py's OSError out, which names neither field nor file."""
+    from hpcdl.workloads.hep.workload import HepWorkload
+
+    def unreadable(self, job):
+        raise OSError("Unable to synchronously open file (file signature not found)")
+
+    monkeypatch.setattr(HepWorkload, "check_data", unreadable)
+    code, output = run_cli(runner, submit_args(hep_files, tmp_path / "runs", "--dry-run"))
+    assert_usage_error(code, output, "the hep workload's check of the job's data failed: Unable to "
+                                     "synchronously open file (file signature not found)")
