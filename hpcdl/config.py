@@ -459,7 +459,7 @@ def _table(section: str, values: Any) -> dict[str, Any]:
 
 
 def _build_section(section: str, cls: type, values: Any) -> Any:
-    _table(section, values)
+    values = _table(section, values)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = set(values) - set(fields)
