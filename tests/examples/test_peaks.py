@@ -23,8 +23,9 @@ def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_da
         state = json.loads((run_dir / f"groups/{group}/state.json").read_text())
         assert state["state"] == "finished" and state["step"] == 60
     # it learns: R² on the validation subset (the master weights' at that step) better than
-    # predicting the mean (0); how much better in 60 steps depends on how far the two appliers
-    # keep up on this machine's 2 cores (0.28-0.9 seen), so the bound is low
+    # predicting the mean (0). With the job's cold-start guard (exchange.warmup_steps) 0.8-0.9 is
+    # seen; without it the groups outran the starting appliers and adopted weights far behind
+    # (-0.9 seen once in a full suite), which is what this bound would catch
     assert json.loads((run_dir / "groups/0/state.json").read_text())["val_r2"] > 0.1
     for shard in (0, 1):
         applier = json.loads((run_dir / f"exchange/shard-{shard}/applier/status.json").read_text())
