@@ -288,15 +288,17 @@ def _in_child(work: Callable[[Callable[[int], None]], None], progress: Callable[
 # atomic output files
 
 
-def new_figure(figsize: Tuple[float, float], dpi: int) -> Tuple[Any, Any]:
-    """``(figure, axes)``: one subplot on the Agg canvas (no display needed, and pyplot's global
-    backend is left alone)."""
+def new_figure(figsize: Tuple[float, float], dpi: int, nrows: int = 1, ncols: int = 1) -> Tuple[Any, Any]:
+    """``(figure, axes)`` on the Agg canvas (no display needed, and pyplot's global backend is left
+    alone): one subplot, or an array of ``nrows`` × ``ncols``."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=figsize, dpi=dpi)
     FigureCanvasAgg(fig)
-    return fig, fig.add_subplot(1, 1, 1)
+    if nrows == ncols == 1:
+        return fig, fig.add_subplot(1, 1, 1)
+    return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def save_png(fig, path: Path, **savefig_kw) -> Path:

@@ -2,7 +2,10 @@
 
 Classification: weighted cross-entropy, accuracy, the confusion matrix, and for two classes the
 weighted ROC AUC (:mod:`hpcdl.workloads.hep.metrics`' curve). Regression: mean squared error,
-mean absolute error and R² (1 - SSE / SST, over all target values), weighted.
+mean absolute error and R² of each output, weighted, and their plain mean over the outputs. An
+output's R² compares its errors with its own weighted mean (scikit-learn's `r2_score` with
+`multioutput="uniform_average"` for the mean): one mean over all outputs would count the gaps
+between the outputs' means as explained variance.
 """
 
 from __future__ import annotations
@@ -36,20 +39,35 @@ def classification(probabilities: np.ndarray, y: np.ndarray, w: np.ndarray, clas
 
 
 def regression(predicted: np.ndarray, y: np.ndarray, w: np.ndarray) -> dict[str, Any]:
-    """`predicted` and `y` (n, k) or (n,); `w` weights (n,)."""
+    """`predicted` and `y` (n, k) or (n,); `w` weights (n,). `mse`, `mae` and `r2` are the means over
+    the k outputs; with k > 1, `mse_i`, `mae_i` and `r2_i` are output i's own (flat floats, so the
+    validation line and `status` carry them too), and `outputs` lists them."""
     p = predicted.reshape(len(y), -1).astype(np.float64)
     t = y.reshape(len(y), -1).astype(np.float64)
-    w = w.astype(np.float64)[:, None] * np.ones_like(t)
+    w = w.astype(np.float64)[:, None]
+    total = np.sum(w)
     err = p - t
-    mean = np.sum(w * t) / np.sum(w)
-    sst = np.sum(w * (t - mean) ** 2)
-    return {
+    mse = np.sum(w * err ** 2, axis=0) / total
+    mae = np.sum(w * np.abs(err), axis=0) / total
+    mean = np.sum(w * t, axis=0) / total
+    sst = np.sum(w * (t - mean) ** 2, axis=0)
+    sse = np.sum(w * err ** 2, axis=0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        # a constant target has no variance to explain: 1 when it is matched, else 0 (scikit-learn's
+        # force_finite), so one constant output does not make the mean undefined
+        r2 = np.where(sst > 0, 1.0 - sse / np.where(sst > 0, sst, 1.0), np.where(sse == 0, 1.0, 0.0))
+    out: dict[str, Any] = {
         "examples": int(len(y)),
-        "loss": float(np.sum(w * err ** 2) / np.sum(w)),
-        "mse": float(np.sum(w * err ** 2) / np.sum(w)),
-        "mae": float(np.sum(w * np.abs(err)) / np.sum(w)),
-        "r2": float(1.0 - np.sum(w * err ** 2) / sst) if sst > 0 else float("nan"),
+        "loss": float(np.mean(mse)),
+        "mse": float(np.mean(mse)),
+        "mae": float(np.mean(mae)),
+        "r2": float(np.mean(r2)),
     }
+    if t.shape[1] > 1:
+        for i in range(t.shape[1]):
+            out[f"mse_{i}"], out[f"mae_{i}"], out[f"r2_{i}"] = float(mse[i]), float(mae[i]), float(r2[i])
+        out["outputs"] = [{"mse": float(a), "mae": float(b), "r2": float(c)} for a, b, c in zip(mse, mae, r2)]
+    return out
 
 
 def plot_confusion(path: Path, confusion: list, title: str) -> Path:
@@ -68,14 +86,27 @@ def plot_confusion(path: Path, confusion: list, title: str) -> Path:
 
 
 def plot_predicted_vs_true(path: Path, predicted: np.ndarray, y: np.ndarray, title: str) -> Path:
-    fig, ax = common.new_figure((4.8, 4.2), 120)
-    p, t = predicted.reshape(-1), y.reshape(-1)
-    ax.scatter(t, p, s=4, alpha=0.4)
-    lo, hi = float(min(t.min(), p.min())), float(max(t.max(), p.max()))
-    ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
-    ax.set_xlabel("true")
-    ax.set_ylabel("predicted")
-    ax.set_title(title, fontsize=9)
+    """One panel per output, each with its own axes and its R² in the panel's title."""
+    p = predicted.reshape(len(y), -1)
+    t = y.reshape(len(y), -1)
+    k = t.shape[1]
+    columns = min(k, 3)
+    rows = -(-k // columns)
+    fig, axes = common.new_figure((4.2 * columns, 3.8 * rows), 120, nrows=rows, ncols=columns)
+    axes = np.atleast_1d(axes).reshape(-1)
+    r2 = regression(p, t, np.ones(len(t)))
+    for i, ax in enumerate(axes):
+        if i >= k:
+            ax.set_visible(False)
+            continue
+        ax.scatter(t[:, i], p[:, i], s=4, alpha=0.4)
+        lo, hi = float(min(t[:, i].min(), p[:, i].min())), float(max(t[:, i].max(), p[:, i].max()))
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=0.8)
+        name = f"output {i}" if k > 1 else "output"
+        ax.set_xlabel(f"true ({name})")
+        ax.set_ylabel(f"predicted ({name})")
+        ax.set_title(f"{name}: R² {r2[f'r2_{i}'] if k > 1 else r2['r2']:.3f}", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     return common.save_png(fig, path)
 
 
