@@ -77,8 +77,19 @@ class HpcdlGroup(click.Group):
             raise click.ClickException(f"{where}{exc.strerror or exc}") from None
 
 
+def _strict(value):
+    """JSON has no NaN or Infinity: a figure that is not a number prints as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(v) for v in value]
+    return value
+
+
 def _emit_json(data) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=True, default=str))
+    click.echo(json.dumps(_strict(data), indent=2, sort_keys=True, default=str, allow_nan=False))
 
 
 @click.group(cls=HpcdlGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -120,7 +131,11 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
                        ("run.check_data", "false" if no_check_data else None)):
         if value is not None:
             cli_overrides.append(f"{key}={value}")
-    prepared = prepare(job, cli_overrides, on_note=lambda note: err.print(note, soft_wrap=True, markup=False))
+    from hpcdl.display import ScanProgress
+
+    with ScanProgress(err) as scan:
+        prepared = prepare(job, cli_overrides, on_note=lambda note: err.print(note, soft_wrap=True, markup=False),
+                           progress=scan)
     if dry_run:
         text = prepared.dryrun.render()
         _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,
@@ -176,8 +191,11 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
         cli_overrides.append(f'run.backend="{backend}"')
     if no_check_data:
         cli_overrides.append("run.check_data=false")
-    prepared = prepare_resume(find_run(run, runs_dir), cli_overrides,
-                              on_note=lambda note: err.print(note, soft_wrap=True, markup=False))
+    from hpcdl.display import ScanProgress
+
+    with ScanProgress(err) as scan:
+        prepared = prepare_resume(find_run(run, runs_dir), cli_overrides,
+                                  on_note=lambda note: err.print(note, soft_wrap=True, markup=False), progress=scan)
     _start_and_report(prepared.job, lambda **kw: resume_run(prepared, **kw), detach, as_json)
 
 
@@ -277,8 +295,9 @@ def logs(run, runs_dir, group, rank, applier, follow):
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
 @click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv; predictions (keras) as .npz.")
+@click.option("--no-check-finite", is_flag=True, help="Do not scan the data for NaN/Inf first (it reads every value once).")
 @click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
-def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
+def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, as_json):
     """Score a model. CHECKPOINT is a run directory or run id, a checkpoint directory or a
     checkpoint prefix such as runs/RUN/checkpoints/0/ckpt-400 (default: the newest run under
     --runs-dir). Prints the metrics and writes a ROC plot."""
@@ -287,12 +306,20 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, as_json):
     checkpoint = locate(checkpoint, runs_dir)
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
         raise InputError("--scores-out must end in .npz or .csv")
-    from hpcdl.display import counting_progress
+    from hpcdl.display import ScanProgress, counting_progress
 
     progress, task = counting_progress(err, "scoring", None)
-    with progress:
-        result = run_evaluate(checkpoint, data, out_dir, scores_out, progress=lambda n: progress.advance(task, n),
-                              total=lambda n: progress.update(task, total=n))
+
+    def begin(examples):  # drawn once every check has passed: a refusal prints its line alone
+        progress.update(task, total=examples)
+        progress.start()
+
+    with ScanProgress(err) as scan:
+        try:
+            result = run_evaluate(checkpoint, data, out_dir, scores_out, progress=lambda n: progress.advance(task, n),
+                                  total=begin, check_finite=not no_check_finite, scan_progress=scan)
+        finally:
+            progress.stop()
     if as_json:
         _emit_json(result)
         return

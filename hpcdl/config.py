@@ -56,6 +56,7 @@ class RunConfig:
     runs_dir: str = "runs"  # where run directories are made; on a cluster, a file system every node sees
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
+    check_finite: bool = True  # false: skip the NaN/Inf scan of data.train and data.val (it reads every value once)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
     controller: str = "gloo"  # how a group's ranks talk (hpcdl.launch.CONTROLLERS)
 

@@ -195,6 +195,32 @@ def _read_state(path) -> dict:
     return state if isinstance(state, dict) else {}
 
 
+class ScanProgress:
+    """A byte-counting bar for each file the data's NaN/Inf scan reads (hpcdl.workloads.finite's
+    progress factory), drawn only on a terminal: a scan is quiet in scripts and logs."""
+
+    def __init__(self, console):
+        self.console = console
+        self.progress: Progress | None = None
+
+    def __enter__(self) -> "ScanProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+
+    def __call__(self, description: str, total: int):
+        if not self.console.is_terminal:
+            return lambda n: None
+        if self.progress is None:
+            self.progress = Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                                     TimeRemainingColumn(), console=self.console, transient=True)
+            self.progress.start()
+        task = self.progress.add_task(description, total=total)
+        return lambda n: self.progress.advance(task, n)
+
+
 def counting_progress(console, description: str, total: int | None) -> tuple[Progress, int]:
     progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TimeRemainingColumn(), console=console)

@@ -81,9 +81,11 @@ def _check_manifest(path: Path) -> None:
 
 def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
              scores_out: Path | None = None, progress=None,
-             total: Callable[[int | None], None] | None = None) -> dict[str, Any]:
+             total: Callable[[int | None], None] | None = None, check_finite: bool = True,
+             scan_progress=None) -> dict[str, Any]:
     """Score a checkpoint (or the run's master weights) on `data`; `progress(n)` is told of each
-    n examples scored, `total(count)` once, of how many there are."""
+    n examples scored, `total(count)` once, of how many there are. `data` is first scanned for
+    NaN/Inf (hpcdl.workloads.finite; `scan_progress` shows it) unless not `check_finite`."""
     from hpcdl.engine.train import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
@@ -109,6 +111,11 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     if not data.is_file():
         raise EvaluateError(f"data file not found: {data}" if not data.is_dir()
                             else f"data: {data} is a directory, not a data file")
+    if check_finite:
+        from hpcdl.config import job_from_dict
+        from hpcdl.workloads.finite import check_file
+
+        check_file(data, workload.finite_datasets(job_from_dict(manifest["job"]).data), progress=scan_progress)
     out_dir = out_dir or (run.eval_dir if run else Path(checkpoint if checkpoint.is_dir() else checkpoint.parent))
     for where in (out_dir, scores_out.parent if scores_out else None):
         _check_writable(where)
@@ -122,7 +129,7 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
         out_dir.mkdir(parents=True, exist_ok=True)
     try:
         if total is not None:
-            total(workload.examples(data))
+            total(_examples(workload, data, manifest["stats"]))
         result = workload.evaluate(model, manifest["stats"], data, out_dir, scores_out=scores_out, progress=progress)
     except BaseException:
         if made and not any(out_dir.iterdir()):
@@ -131,6 +138,16 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
     if access:
         apply_access(out_dir, access)  # the figures, whatever the workload writes
     return {"model": source, "data": str(data), **result}
+
+
+def _examples(workload, data: Path, stats: dict[str, Any]) -> int | None:
+    """The workload's count of `data`'s examples, with the checkpoint's stats where its `examples`
+    takes them (a plugin written before they were offered takes the path alone)."""
+    import inspect
+
+    if len(inspect.signature(workload.examples).parameters) >= 2:
+        return workload.examples(data, stats)
+    return workload.examples(data)
 
 
 def _check_writable(directory: Path | None) -> None:

@@ -60,7 +60,7 @@ def _flat(job: Job) -> dict[str, Any]:
 
 
 def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executable,
-                   on_note: Callable[[str], None] | None = None) -> PreparedResume:
+                   on_note: Callable[[str], None] | None = None, progress=None) -> PreparedResume:
     """Validate and render the resumed run; writes nothing."""
     old = run.load_job()
     info = run.info()
@@ -92,8 +92,10 @@ def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executab
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, scheduler.cluster_facts(job)))
     if job.run.check_data:
         from hpcdl.workloads import get_workload
+        from hpcdl.workloads.finite import check_job_data
 
         get_workload(job.workload).check_data(job)
+        check_job_data(get_workload(job.workload), job, progress)
     return PreparedResume(run, job, scheduler, dryrun, note)
 
 

@@ -25,6 +25,7 @@ from hpcdl.schedulers.base import DryRun
 from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.common import absolute_split_paths
+from hpcdl.workloads.finite import ProgressFactory, check_job_data
 
 
 @dataclass(frozen=True)
@@ -36,10 +37,12 @@ class Prepared:
 
 
 def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
-            cluster: dict[str, Any] | None = None, on_note: Callable[[str], None] | None = None) -> Prepared:
+            cluster: dict[str, Any] | None = None, on_note: Callable[[str], None] | None = None,
+            progress: ProgressFactory | None = None) -> Prepared:
     """Validate and render; no side effects. `cluster` holds facts about the target (SLURM's
     MaxArraySize, this machine's cores, whether Horovod has MPI). `on_note` hears at once which
-    backend "auto" chose, so the user knows it even when a check then refuses the job."""
+    backend "auto" chose, so the user knows it even when a check then refuses the job; `progress`
+    shows the data's NaN/Inf scan."""
     read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
     job = load_job(job_ref, overrides)
     job = job.replace(data=absolute_split_paths(job.data, Path.cwd()))  # relative to where one submits
@@ -70,6 +73,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     # the user's model checks it here, once, even when the data is only on the compute nodes
     try:
         get_workload(job.workload).check_job(job, data=job.run.check_data)
+        check_job_data(get_workload(job.workload), job, progress)
     except OSError as exc:  # a plugin's own reader (h5py says neither field nor file): say whose check
         raise JobError(f"the {job.workload} workload's check of the job's data failed: "
                        f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")) from None

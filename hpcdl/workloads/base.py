@@ -14,13 +14,14 @@ installed. When each method is called, and where:
 * at job load (every process): `DataConfig` and `ModelConfig` are built from `[data]` and
   `[model]` and their `validate()` called; a `resolved(job_dir)` method, if a section has one,
   makes paths relative to the job file absolute;
-* at submit and resume (the login node): `check_job` (which calls `check_data`), then
-  `network_cost` for `exchange.shards = "auto"`;
+* at submit and resume (the login node): `check_job` (which calls `check_data`), the NaN/Inf
+  scan of the datasets `finite_datasets` names in data.train and data.val
+  (:mod:`hpcdl.workloads.finite`), then `network_cost` for `exchange.shards = "auto"`;
 * in each training rank: `compute_stats` (once per group, its root), `input_shape`,
   `build_model`, `train_batches`, `loss` (traced inside the step), and on the group's root
   `validate` every `train.validate_every` steps;
-* in `hpcdl evaluate`: `build_model` from the checkpoint's manifest (job, stats, input shape),
-  then `evaluate`.
+* in `hpcdl evaluate`: the NaN/Inf scan of the file scored, `build_model` from the checkpoint's
+  manifest (job, stats, input shape), then `evaluate`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import tempfile
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 from hpcdl.engine.flops import FlopCount
 
@@ -124,6 +125,12 @@ class Workload(ABC):
         if data:
             self.check_data(job)
 
+    def finite_datasets(self, data_config) -> Sequence[str] | None:
+        """The datasets of a split file (HDF5 names) that must hold only finite numbers, scanned
+        before a run and before `evaluate`; None (the default): every floating-point dataset in
+        the file."""
+        return None
+
     @abstractmethod
     def compute_stats(self, job) -> dict[str, Any]:
         """Normalisation constants from the training set (and whatever else scoring needs),
@@ -161,8 +168,9 @@ class Workload(ABC):
         """The workload's figures of merit on the first `limit` examples of `data` (a fixed
         subset), while training: small, quick, names without a prefix ("loss", "auc", ...)."""
 
-    def examples(self, data: Path) -> int | None:
-        """How many examples `evaluate` scores in `data` (its progress bar's total); None: unknown."""
+    def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
+        """How many examples `evaluate` scores in `data` (its progress bar's total; `stats` are the
+        checkpoint's); None: unknown."""
         return None
 
     @abstractmethod

@@ -133,7 +133,7 @@ class ClimateWorkload(Workload):
         m = metrics.detection_metrics(dets, truths, thresholds=(0.5,)).get("map_50")
         return {} if m is None else {"map50": m}
 
-    def examples(self, data: Path) -> int | None:
+    def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
         return cdata.open_climate(data).n_labelled  # detect scores the labelled images
 
     def evaluate(self, model, stats, data: Path, out_dir: Path, scores_out: Path | None = None,

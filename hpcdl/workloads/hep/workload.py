@@ -128,7 +128,7 @@ class HepWorkload(Workload):
             out["tpr_at_selection_fpr"] = m.cnn_tpr_at_selection_fpr
         return out
 
-    def examples(self, data: Path) -> int | None:
+    def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
         from hpcdl.workloads.hep.layout import open_hep
 
         return open_hep(data).n_events

@@ -64,6 +64,9 @@ class KerasWorkload(Workload):
                 except DataError as exc:
                     raise JobError(f"{field}: {exc}") from None
 
+    def finite_datasets(self, data_config) -> list[str]:
+        return [name for name in (data_config.inputs, data_config.labels, data_config.weights) if name]
+
     def check_job(self, job, data: bool) -> None:
         """The data (when `data`), then the model built once: the builder imports and returns a
         Keras model whose input takes the examples and whose output fits the task."""
@@ -221,6 +224,11 @@ class KerasWorkload(Workload):
         if stats["task"] == "classification":
             return metrics.classification(s["p"], s["y"], s["w"], stats["classes"])
         return metrics.regression(s["p"], s["y"], s["w"])
+
+    def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
+        if stats is None:
+            return None
+        return ArrayFile.open(data, _DataFromStats(stats)).n
 
     def validate(self, model, stats, data: Path, limit: int) -> dict[str, float]:
         s = self.predict(model, stats, data, batch_size=min(512, limit), limit=limit)

@@ -107,6 +107,14 @@ def test_it_trains_from_the_builder_file_resumes_and_evaluate_scores_it(keras_jo
     names = {p.name for p in (run_dir / "checkpoints/0").iterdir()}
     assert "manifest.json" in names and any(n.endswith(".index") for n in names)
     assert not any(n.endswith((".keras", ".pb", ".pkl", ".pickle")) for n in names)
+    # a test file with a NaN input is refused before anything is scored or written
+    with h5py.File(tmp_path / "nan.h5", "w") as f:
+        f["x"] = np.where(np.arange(6) == 4, np.nan, 1.0).astype(np.float32)[None].repeat(50, axis=0)
+        f["y"] = np.zeros(50, np.int64)
+    refused = hpcdl("evaluate", str(run_dir), "--data", str(tmp_path / "nan.h5"), "--out", str(tmp_path / "nan-eval"),
+                    cwd=tmp_path, env=env, check=False)
+    assert refused.returncode == 2 and refused.stderr.strip().count("\n") == 0
+    assert "'x' holds nan at example 0" in refused.stderr and not (tmp_path / "nan-eval").exists()
 
 
 def test_regression_scores_mse_mae_and_r2(tmp_path):
