@@ -4,3 +4,9 @@ the CLI prints its message as one line and exits 2. A leaf: it imports nothing o
 
 class JobError(ValueError):
     """A job file, override or input that cannot be used; the message names the field."""
+
+
+class NonFiniteLoss(ValueError):
+    """A group's loss or a gradient turned NaN or Inf; the step was not applied, so its weights and
+    newest checkpoint are the last finite ones. No restart can mend it: the same data and weights
+    give the same step."""

@@ -32,7 +32,7 @@ from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 from hpcdl.files import read_regular
-from hpcdl.errors import JobError
+from hpcdl.errors import JobError, NonFiniteLoss
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
 from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as exc:  # where a rank sits: one line that says what to fix
         print(f"hpcdl rank: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_FAILED
-    except (JobError, DataFileError, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
+    except (JobError, DataFileError, NonFiniteLoss, FileNotFoundError, IsADirectoryError, PermissionError) as exc:
         # The user's input (a data file missing on the compute nodes with --no-check-data): one
         # line, as submit says it, and no restart is tried for it (srun may report another code
         # than ours once it killed the group's other ranks: the mark says it).

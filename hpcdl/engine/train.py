@@ -29,6 +29,7 @@ from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.engine.tuning import precision_policy
+from hpcdl.errors import NonFiniteLoss
 from hpcdl.runs import MANIFEST, State, write_json_atomic
 from hpcdl.files import append_jsonl
 from hpcdl.storage import FinalSaveFailed, StorageReport, attempt, recorded_checkpoint, save_checkpoint
@@ -302,7 +303,9 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     try:
         for current in range(g.resumed_from + 1, job.train.steps + 1):
             started = time.perf_counter()
-            loss, grads = train_step(next(batches))  # collective: the gradients' allreduce
+            loss, grads, finite = train_step(next(batches))  # collective: the gradients' allreduce
+            if not finite.numpy().all():  # the same verdict on every rank: the averages are the group's
+                raise NonFiniteLoss(_non_finite_reason(current, finite.numpy(), g.names, g.resumed_from))
             if pace is not None:
                 pace(current, started)
             g.step.assign(current)
@@ -336,6 +339,15 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
                   job.train.final_save_retry_s, sync)
     return TrainResult(model=g.model, last_metrics=last, steps_run=int(g.step.numpy()) - g.resumed_from,
                        stopped=stopped)
+
+
+def _non_finite_reason(step: int, finite: np.ndarray, names: list[str], resumed_from: int) -> str:
+    bad = [name for name, ok in zip(["the loss", *names], finite) if not ok]
+    what = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    return (f"step {step}: {what} not finite (NaN or Inf); the step was not applied and the group stopped "
+            f"(its newest checkpoint holds finite weights). A learning rate too high, or data the scan "
+            f"skipped (run.check_finite = false), are the usual causes"
+            + ("" if step > resumed_from + 1 else "; it happened at the first step after the start"))
 
 
 def _save_the_end(hvd, recorder: _Recorder | None, manager, final: dict[str, Any], retry_s: float,
