@@ -328,6 +328,30 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, a
     console.print(metrics_table(f"{result['model']} on {result['data']}", result))
 
 
+# -- export ---------------------------------------------------------------------------------------
+@main.command()
+@click.argument("checkpoint")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@click.option("--checkpoint-weights", "own", is_flag=True,
+              help="For a run with an exchange: group 0's newest checkpoint, not the master weights.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def export(checkpoint, out, runs_dir, own, as_json):
+    """Write the model of CHECKPOINT (a run directory or id, a checkpoint directory or prefix, as
+    `evaluate` takes it) to OUT, with its input normalisation inside, loadable without hpcdl: a
+    TensorFlow SavedModel directory (`model = tf.saved_model.load(OUT)`, then `model.serve(x)`), or for keras jobs
+    Keras' own file when OUT ends in .keras (`keras.models.load_model(OUT)`)."""
+    from hpcdl.evaluate import locate
+    from hpcdl.export import export as run_export
+
+    result = run_export(locate(checkpoint, runs_dir), out, master=not own)
+    if as_json:
+        _emit_json(result)
+    else:
+        console.print(f"{result['model']} -> [bold]{result['out']}[/] ({result['format']}, "
+                      f"input {tuple(result['input_shape'])})", soft_wrap=True)
+
+
 # -- data -----------------------------------------------------------------------------------------
 @main.group()
 def data():

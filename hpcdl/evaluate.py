@@ -7,6 +7,7 @@ master weights when the run had an exchange, else group 0's newest checkpoint.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,25 +80,29 @@ def _check_manifest(path: Path) -> None:
                             f"{job.workload} job")
 
 
-def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
-             scores_out: Path | None = None, progress=None,
-             total: Callable[[int | None], None] | None = None, check_finite: bool = True,
-             scan_progress=None) -> dict[str, Any]:
-    """Score a checkpoint (or the run's master weights) on `data`; `progress(n)` is told of each
-    n examples scored, `total(count)` once, of how many there are. `data` is first scanned for
-    NaN/Inf (hpcdl.workloads.finite; `scan_progress` shows it) unless not `check_finite`."""
+@dataclass(frozen=True)
+class Trained:
+    """A model as `evaluate` and `export` take it: rebuilt from its checkpoint's manifest, with the
+    run's newest master weights when `path` is a run that had an exchange (and `master`)."""
+
+    model: Any
+    manifest: dict[str, Any]
+    source: str  # what the weights are, for the user: a checkpoint prefix or a master version
+    run: RunDir | None
+    checkpoint: Path
+
+
+def load_trained(path: Path, master: bool = True) -> Trained:
     from hpcdl.engine.train import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
     checkpoint, run = resolve_checkpoint(path)
     try:
         model, manifest = load_model(checkpoint, get_workload)
-    except FileNotFoundError as exc:
-        raise EvaluateError(str(exc)) from None
-    except CheckpointUnreadable as exc:
+    except (FileNotFoundError, CheckpointUnreadable) as exc:
         raise EvaluateError(str(exc)) from None
     source = manifest["checkpoint"]
-    if run is not None:
+    if run is not None and master:
         job = run.load_job()
         if job.exchange.active(job.run.groups):
             from hpcdl.exchange.group import adopt_master_weights
@@ -105,6 +110,21 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
             version = adopt_master_weights(run, job, model)
             if version is not None:
                 source = f"master weights v{version} ({run.exchange_dir(job)})"
+    return Trained(model, manifest, source, run, checkpoint)
+
+
+def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
+             scores_out: Path | None = None, progress=None,
+             total: Callable[[int | None], None] | None = None, check_finite: bool = True,
+             scan_progress=None) -> dict[str, Any]:
+    """Score a checkpoint (or the run's master weights) on `data`; `progress(n)` is told of each
+    n examples scored, `total(count)` once, of how many there are. `data` is first scanned for
+    NaN/Inf (hpcdl.workloads.finite; `scan_progress` shows it) unless not `check_finite`."""
+    from hpcdl.workloads import get_workload
+
+    trained = load_trained(path)
+    model, manifest, source, run, checkpoint = (trained.model, trained.manifest, trained.source, trained.run,
+                                                trained.checkpoint)
     workload = get_workload(manifest["workload"])
     if data is None:
         data = Path(manifest["job"]["data"]["test"])

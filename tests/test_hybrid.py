@@ -89,6 +89,20 @@ def test_two_groups_of_two_train_through_the_applier(hep_files, tmp_path):
     assert result["model"].startswith("master weights v")
     assert result["auc_weighted"] > 0.9
 
+    # taken home: the master weights as a SavedModel, normalisation inside, predicting without
+    # hpcdl the scores evaluate gave each event
+    from hpcdl.workloads.hep.data import iter_batches
+    from tests.helpers.exported import predict_without_hpcdl
+
+    scored = tmp_path / "scores.npz"
+    subprocess.run([HPCDL, "evaluate", str(run_dir), "--scores-out", str(scored)], capture_output=True, check=True)
+    subprocess.run([HPCDL, "export", str(run_dir), str(tmp_path / "hep-model")], capture_output=True, check=True)
+    with iter_batches(hep_files["test"], 10_000, shuffle=False, epochs=1, drop_remainder=False) as batches:
+        images = np.concatenate([b[0] for b in batches])  # as stored, channels last, not normalised
+    scores = np.load(scored)
+    predicted = predict_without_hpcdl(tmp_path / "hep-model", images[scores["index"]], tmp_path)
+    np.testing.assert_allclose(predicted, scores["score"], rtol=1e-4, atol=1e-5)
+
 
 def test_kill_a_rank_of_group_one(hep_files, tmp_path):
     proc, run_dir = start_run(hep_files, tmp_path, steps=200)

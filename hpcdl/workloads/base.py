@@ -20,6 +20,7 @@ installed. When each method is called, and where:
 * in each training rank: `compute_stats` (once per group, its root), `input_shape`,
   `build_model`, `train_batches`, `loss` (traced inside the step), and on the group's root
   `validate` every `train.validate_every` steps;
+* in `hpcdl export`: `build_model` from the checkpoint's manifest, then `serving`;
 * in `hpcdl evaluate`: the NaN/Inf scan of the file scored, `build_model` from the checkpoint's
   manifest (job, stats, input shape), then `evaluate`.
 """
@@ -171,6 +172,13 @@ class Workload(ABC):
     def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
         """How many examples `evaluate` scores in `data` (its progress bar's total; `stats` are the
         checkpoint's); None: unknown."""
+        return None
+
+    def serving(self, model, stats: dict[str, Any]):
+        """For `hpcdl export`: a function of TensorFlow ops from a float32 batch of examples as the
+        workload's reader yields them before normalisation (the manifest's input shape) to the
+        predictions `evaluate` scores, so the exported model needs nothing of hpcdl. None: this
+        workload cannot be exported."""
         return None
 
     @abstractmethod

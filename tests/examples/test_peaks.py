@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 import math
 
+import h5py
+import numpy as np
+
 from tests.conftest import hpcdl, set_args
+from tests.helpers.exported import predict_without_hpcdl
 
 # Two appliers: the byte-balanced partition over the user's model's variables, as for HEP's.
 SHORT = ["train.steps=60", "train.validate_every=30", "train.checkpoint_every=30", "train.log_every=10",
@@ -35,3 +39,19 @@ def test_the_example_trains_as_two_hybrid_groups_and_evaluate_scores_it(peaks_da
     assert result["examples"] == 150
     assert all(math.isfinite(result[k]) for k in ("mse", "mae", "r2")) and result["mse"] == result["loss"]
     assert (run_dir / "eval" / "predicted_vs_true.png").stat().st_size > 0
+    # three outputs of different means: each its own R², the mean of them the headline
+    assert all(math.isfinite(result[f"r2_{i}"]) for i in range(3)) and "r2_3" not in result
+    assert abs(result["r2"] - np.mean([result[f"r2_{i}"] for i in range(3)])) < 1e-12
+
+    # taken home: a SavedModel and a .keras file that predict, without hpcdl, what evaluate scored
+    scored = here / "scored.npz"
+    hpcdl("evaluate", str(run_dir), "--json", "--scores-out", str(scored), cwd=here)
+    scores = np.load(scored)
+    with h5py.File(here / "data/test.h5") as f:
+        x = f["images"][:][scores["index"]]
+    for out in (here / "exported", here / "exported.keras"):
+        hpcdl("export", str(run_dir), str(out), cwd=here)
+        predicted = predict_without_hpcdl(out, x, here)
+        np.testing.assert_allclose(predicted, scores["prediction"], rtol=1e-4, atol=1e-4)
+    refused = hpcdl("export", str(run_dir), str(here / "exported"), cwd=here, check=False)
+    assert refused.returncode == 2 and "exists" in refused.stderr

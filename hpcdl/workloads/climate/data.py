@@ -292,7 +292,7 @@ class Stats:
                 raise ValueError(f"stats {name} must be {len(CHANNELS)} finite numbers, got {vals}")
             object.__setattr__(self, name, vals)
 
-    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         std = np.asarray(self.std, np.float32)
         return np.asarray(self.mean, np.float32), np.where(std > 0, std, np.float32(1.0))
 
@@ -302,11 +302,11 @@ class Stats:
         x = np.asarray(x)
         if x.shape[-1:] != (len(CHANNELS),):
             raise ValueError(f"images must have {len(CHANNELS)} channels last, got shape {x.shape}")
-        mean, std = self._arrays()
+        mean, std = self.arrays()
         return ((x - mean) / std).astype(np.float32)
 
     def denormalize(self, z: np.ndarray) -> np.ndarray:
-        mean, std = self._arrays()
+        mean, std = self.arrays()
         return (np.asarray(z, np.float32) * std + mean).astype(np.float32)
 
     def to_dict(self) -> dict:

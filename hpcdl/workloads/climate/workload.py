@@ -125,6 +125,16 @@ class ClimateWorkload(Workload):
                 break
         return indices[:limit], dets[:limit], truths[:limit], fields
 
+    def serving(self, model, stats):
+        import tensorflow as tf
+
+        mean, std = (tf.constant(a) for a in cdata.Stats.from_dict(stats).arrays())
+
+        def head(images):  # (n, h, w, 16) after the crop and downsampling, channels last
+            return model((images - mean) / std)  # the raw grid: decoding and NMS stay the user's
+
+        return head
+
     def validate(self, model, stats, data: Path, limit: int) -> dict[str, float]:
         """mAP at IoU 0.5 on the first `limit` labelled images."""
         from hpcdl.workloads.climate import metrics

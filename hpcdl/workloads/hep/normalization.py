@@ -93,7 +93,7 @@ class Normalization:
             tuple(channel_max(hep, chunk).tolist()), tuple(class_weight_means(hep, chunk).tolist())
         )
 
-    def _divisor(self) -> np.ndarray:
+    def divisor(self) -> np.ndarray:
         s = np.asarray(self.scale, dtype=np.float32)
         return np.where(s > 0, s, np.float32(1.0))
 
@@ -105,9 +105,9 @@ class Normalization:
         if inplace:
             if images.dtype != np.float32:
                 raise ValueError(f"inplace normalisation needs float32 images, got {images.dtype}")
-            images /= self._divisor()
+            images /= self.divisor()
             return images
-        return np.divide(images, self._divisor(), dtype=np.float32)
+        return np.divide(images, self.divisor(), dtype=np.float32)
 
     def event_weights(self, y, w) -> np.ndarray:
         """Class-balanced training weights ``w / class_weight_mean[y]`` (float32)."""

@@ -110,6 +110,16 @@ class HepWorkload(Workload):
             out.pop("pass", None)
         return out
 
+    def serving(self, model, stats):
+        import tensorflow as tf
+
+        divisor = tf.constant(Normalization.from_dict(stats).divisor())
+
+        def signal_probability(images):  # (n, H, W, 3) channels last, as the reader yields them
+            return tf.nn.softmax(model(images / divisor, training=False))[:, 1]
+
+        return signal_probability
+
     def validate(self, model, stats, data: Path, limit: int) -> dict[str, float]:
         """Class-balanced cross-entropy, weighted AUC, and the TPR at the cut-based selection's FPR."""
         from hpcdl.workloads.hep import metrics

@@ -23,6 +23,7 @@ class KerasDataConfig:
     task: str = "classification"  # classification (labels 0 .. classes-1) or regression
     classes: int = 2  # classification: the number of classes
     normalize: bool = False  # inputs standardised per channel (last axis) with the training file's mean and std
+    standardize_targets: bool = False  # regression: each target trained as (y - mean) / std of the training file; predictions are given back in the targets' own units
     chunk: int = 4096  # examples read at a time (memory: about (prefetch + 2) chunks)
     prefetch: int = 2  # chunks read ahead by a background thread
 
@@ -35,6 +36,8 @@ class KerasDataConfig:
             raise JobError(f"data.task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.task == "classification" and self.classes < 2:
             raise JobError(f"data.classes must be >= 2 for classification, got {self.classes}")
+        if self.standardize_targets and self.task != "regression":
+            raise JobError("data.standardize_targets is for data.task = \"regression\"")
         if self.chunk < 1 or self.prefetch < 0:
             raise JobError("data.chunk must be >= 1 and data.prefetch >= 0")
 

@@ -127,30 +127,49 @@ def check_all_labels(arrays: ArrayFile, classes: int, chunk: int) -> None:
 
 def channel_stats(arrays: ArrayFile, chunk: int) -> dict[str, list[float]]:
     """Mean and standard deviation of each input channel (the last axis) over the file, streamed."""
-    channels = arrays.input_shape[-1]
-    total, sq, count = np.zeros(channels), np.zeros(channels), 0
+    mean, std = _streamed_moments(arrays, arrays.inputs, arrays.input_shape[-1], chunk)
+    return {"mean": mean, "std": std}
+
+
+def target_stats(arrays: ArrayFile, chunk: int) -> dict[str, list[float]]:
+    """Mean and standard deviation of each regression target over the file, streamed."""
+    mean, std = _streamed_moments(arrays, arrays.labels, arrays.targets, chunk)
+    return {"target_mean": mean, "target_std": std}
+
+
+def _streamed_moments(arrays: ArrayFile, dataset: str, width: int, chunk: int) -> tuple[list[float], list[float]]:
+    """Per-column mean and std of `dataset` seen as (-1, width); a constant column's std is 1."""
+    total, sq, count = np.zeros(width), np.zeros(width), 0
     with h5py.File(arrays.path, "r") as f:
-        x = f[arrays.inputs]
+        x = f[dataset]
         for lo, hi in example_chunks(0, arrays.n, chunk):
-            part = np.asarray(x[lo:hi], np.float64).reshape(-1, channels)
+            part = np.asarray(x[lo:hi], np.float64).reshape(-1, width)
             total += part.sum(axis=0)
             sq += np.square(part).sum(axis=0)
             count += part.shape[0]
     mean = total / max(count, 1)
     std = np.sqrt(np.maximum(sq / max(count, 1) - mean ** 2, 0.0))
     if not (np.all(np.isfinite(mean)) and np.all(np.isfinite(std))):
-        raise DataError.at(arrays.path, f"{arrays.inputs!r} holds values that are not finite")
-    return {"mean": mean.tolist(), "std": np.where(std > 0, std, 1.0).tolist()}
+        raise DataError.at(arrays.path, f"{dataset!r} holds values that are not finite")
+    return mean.tolist(), np.where(std > 0, std, 1.0).tolist()
 
 
 def normalizer(stats: dict):
-    """The chunk transform of the job's normalisation (None when it has none)."""
-    if not stats.get("mean"):
+    """The chunk transform of the job's normalisation of inputs and targets (None without any)."""
+    mean = np.asarray(stats["mean"], np.float32) if stats.get("mean") else None
+    std = np.asarray(stats["std"], np.float32) if stats.get("mean") else None
+    target_mean = np.asarray(stats["target_mean"], np.float32) if stats.get("target_mean") else None
+    target_std = np.asarray(stats["target_std"], np.float32) if stats.get("target_mean") else None
+    if mean is None and target_mean is None:
         return None
-    mean, std = np.asarray(stats["mean"], np.float32), np.asarray(stats["std"], np.float32)
 
     def apply(b: Examples) -> Examples:
-        return b._replace(x=(b.x - mean) / std)
+        if mean is not None:
+            b = b._replace(x=(b.x - mean) / std)
+        if target_mean is not None:
+            y = (b.y.reshape(len(b.y), -1) - target_mean) / target_std
+            b = b._replace(y=y.reshape(b.y.shape).astype(np.float32))
+        return b
 
     return apply
 

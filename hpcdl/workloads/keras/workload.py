@@ -20,7 +20,8 @@ import numpy as np
 from hpcdl.errors import JobError
 from hpcdl.workloads.base import Workload
 from hpcdl.workloads.keras.config import KerasDataConfig, KerasModelConfig
-from hpcdl.workloads.keras.data import ArrayFile, DataError, check_all_labels, channel_stats, iter_batches
+from hpcdl.workloads.keras.data import (ArrayFile, DataError, check_all_labels, channel_stats, iter_batches,
+                                        target_stats)
 
 PROBABILITY_ACTIVATIONS = ("softmax", "sigmoid")
 FLOPS_TRACE_BATCH = 4
@@ -99,6 +100,8 @@ class KerasWorkload(Workload):
                                  "inputs": data.inputs, "labels": data.labels, "weights": data.weights}
         if data.normalize:
             stats.update(channel_stats(ArrayFile.open(data.train, data), data.chunk))
+        if data.task == "regression" and data.standardize_targets:
+            stats.update(target_stats(ArrayFile.open(data.train, data), data.chunk))
         return stats
 
     def input_shape(self, job) -> tuple[int, ...]:
@@ -196,16 +199,18 @@ class KerasWorkload(Workload):
             raise DataError.at(data, f"examples are {arrays.input_shape}, the model was trained on "
                                      f"{tuple(model.image_shape)}")
         classify = stats["task"] == "classification"
+        in_units = _target_units(stats)
 
         def forward(x):
             out = model(x, training=False)
-            return probabilities(out, model.probabilities) if classify else out
+            return probabilities(out, model.probabilities) if classify else in_units(out)
 
         forward = tf.function(forward, reduce_retracing=True)
         window = {} if limit is None else {"chunk": max(batch_size, limit), "prefetch": 0}
         parts: dict[str, list] = {"p": [], "y": [], "w": [], "index": []}
         seen = 0
-        for b in iter_batches(arrays, batch_size, stats=stats, classes=stats["classes"], shuffle=False, epochs=1,
+        inputs_only = {k: v for k, v in stats.items() if k not in ("target_mean", "target_std")}  # labels as stored
+        for b in iter_batches(arrays, batch_size, stats=inputs_only, classes=stats["classes"], shuffle=False, epochs=1,
                               drop_remainder=False, **window):
             parts["p"].append(forward(b.x).numpy())
             parts["y"].append(b.y)
@@ -224,6 +229,41 @@ class KerasWorkload(Workload):
         if stats["task"] == "classification":
             return metrics.classification(s["p"], s["y"], s["w"], stats["classes"])
         return metrics.regression(s["p"], s["y"], s["w"])
+
+    def serving(self, model, stats):
+        import tensorflow as tf
+
+        mean = tf.constant(stats["mean"], tf.float32) if stats.get("mean") else None
+        std = tf.constant(stats["std"], tf.float32) if stats.get("mean") else None
+        classify = stats["task"] == "classification"
+
+        in_units = _target_units(stats)
+
+        def predict(x):
+            out = model((x - mean) / std if mean is not None else x, training=False)
+            return probabilities(out, model.probabilities) if classify else in_units(out)
+
+        return predict
+
+    def keras_model(self, model, stats):
+        """The trained model as one plain Keras model for Keras' own `.keras` file: the input
+        normalisation as a `Normalization` layer before it, and for a classifier that ends in
+        logits, a softmax after it (a sigmoid, P(class 1), for a one-output binary model)."""
+        import keras
+
+        inputs = keras.Input(tuple(model.image_shape), name="examples")
+        x = inputs
+        if stats.get("mean"):
+            std = np.asarray(stats["std"], np.float32)
+            x = keras.layers.Normalization(mean=stats["mean"], variance=(std ** 2).tolist(), name="hpcdl_normalize")(x)
+        out = model.keras(x)
+        if stats.get("target_mean"):
+            std = np.asarray(stats["target_std"], np.float32)
+            out = keras.layers.Normalization(mean=stats["target_mean"], variance=(std ** 2).tolist(), invert=True,
+                                             name="hpcdl_target_units")(out)
+        if stats["task"] == "classification" and not model.probabilities:
+            out = keras.layers.Activation("sigmoid" if out.shape[-1] == 1 else "softmax", name="hpcdl_probabilities")(out)
+        return keras.Model(inputs, out, name="hpcdl_export")
 
     def examples(self, data: Path, stats: dict[str, Any] | None = None) -> int | None:
         if stats is None:
@@ -257,6 +297,17 @@ class KerasWorkload(Workload):
         if scores_out is not None:
             result["scores_file"] = str(metrics.write_predictions(scores_out, s["index"], s["p"], s["y"]))
         return result
+
+
+def _target_units(stats: dict[str, Any]):
+    """A regression model's outputs back in the targets' own units (data.standardize_targets)."""
+    import tensorflow as tf
+
+    if not stats.get("target_mean"):
+        return lambda out: out
+    mean = tf.constant(stats["target_mean"], tf.float32)
+    std = tf.constant(stats["target_std"], tf.float32)
+    return lambda out: tf.reshape(tf.reshape(out, [tf.shape(out)[0], -1]) * std + mean, tf.shape(out))
 
 
 def cross_entropy(out, y, from_probabilities: bool):

@@ -56,6 +56,20 @@ def test_submit_train_and_evaluate_two_ranks(files, tmp_path):
     assert len(image) == result["n_detections"] > 0 and rows.shape[1] == 6
     assert set(np.unique(image)) <= set(range(10))
 
+    # taken home: the network's grid output from images as preprocessed (crop, downsampling),
+    # normalisation inside, the same without hpcdl as the checkpoint's model gives
+    hpcdl("export", str(run_dir), str(tmp_path / "climate-model"), cwd=tmp_path)
+    from hpcdl.evaluate import load_trained
+    from hpcdl.workloads.climate.data import Stats, iter_eval
+    from tests.helpers.exported import predict_without_hpcdl
+
+    trained = load_trained(run_dir)
+    st = Stats.from_dict(trained.manifest["stats"])
+    _, normalised, _ = next(iter_eval(files["test"], st, batch=4))
+    expected = trained.model(normalised).numpy()
+    predicted = predict_without_hpcdl(tmp_path / "climate-model", st.denormalize(normalised), tmp_path)
+    np.testing.assert_allclose(predicted, expected, rtol=1e-4, atol=1e-4)
+
 
 def test_bad_data_is_a_one_line_usage_error(files, tmp_path):
     bad = tmp_path / "bad.h5"

@@ -158,3 +158,32 @@ def test_mixed_bfloat16_computes_in_bfloat16_with_float32_weights_and_loss(keras
     assert loss.dtype == "float32" and np.isfinite(float(loss))
     # the policy is the model's, not left behind for the next one
     assert workload.build_model(job.model, (6,), seed=0).keras.layers[-1].compute_dtype == "float32"
+
+
+def test_a_nan_label_stops_the_group_failed_with_its_last_finite_checkpoint(keras_job, tmp_path):
+    """With the scan skipped knowingly, the training itself still refuses to apply a NaN step."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(1024, 6)).astype(np.float32)
+    y = (x[:, :2] * [1.0, -1.0]).astype(np.float32)
+    y[rng.choice(1024, 6, replace=False), 0] = np.nan
+    with h5py.File(tmp_path / "nan-labels.h5", "w") as f:
+        f["x"], f["y"] = x, y
+    with h5py.File(tmp_path / "val.h5", "w") as f:
+        f["x"], f["y"] = x[:128], np.nan_to_num(y[:128])
+    proc = hpcdl("submit", str(keras_job), "--json", "--set", 'data.task="regression"',
+                 "--set", f'data.train="{tmp_path / "nan-labels.h5"}"', "--set", f'data.val="{tmp_path / "val.h5"}"',
+                 "--set", f'data.test="{tmp_path / "val.h5"}"', "--set", "model.args={units = 8, classes = 2}",
+                 "--set", "run.check_finite=false", "--set", "train.steps=200", "--set", "train.checkpoint_every=1",
+                 "--set", "train.validate_every=0", cwd=tmp_path, check=False)
+    assert proc.returncode != 0
+    run_dir = tmp_path / "runs" / json.loads(proc.stdout)["run_id"]
+    status = json.loads(hpcdl("status", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert status["state"] == "failed"
+    reason = status["groups"][0]["reason"]
+    assert "the loss" in reason and "not finite" in reason and "not applied" in reason
+    stopped_at = int(reason.split("step ")[1].split(":")[0])
+    assert 1 < stopped_at < 200  # the file's order reaches a NaN label within the run, not at once
+    result = json.loads(hpcdl("evaluate", str(run_dir), "--json", cwd=tmp_path).stdout)
+    assert np.isfinite(result["mse"]) and result["mse"] < 10
+    newest = max(int(p.name.split("-")[1].split(".")[0]) for p in (run_dir / "checkpoints/0").glob("ckpt-*.index"))
+    assert newest == stopped_at - 1
