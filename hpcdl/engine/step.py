@@ -10,25 +10,31 @@ import tensorflow as tf
 
 
 def make_train_step(loss: Callable[[Any], tf.Tensor], variables: list[tf.Variable], optimizer,
-                    hvd=None) -> Callable[[Any], tuple[tf.Tensor, list[tf.Tensor]]]:
-    """A traced step ``batch -> (loss, gradients)`` that applies the gradients to `variables`.
+                    hvd=None) -> Callable[[Any], tuple[tf.Tensor, list[tf.Tensor], tf.Tensor]]:
+    """A traced step ``batch -> (loss, gradients, own seconds)`` that applies the gradients to
+    `variables`.
 
     With `hvd` (an initialised ``horovod.tensorflow``) the gradients are averaged over the group
     before they are applied and the loss returned is the group's mean; the gradients returned
     are the averaged ones, which the exchange publishes. Without it (one process measuring the
-    step) the gradients are this process's own.
+    step) the gradients are this process's own. The own seconds run from the step's start to
+    the moment this process's last gradient is computed: the allreduce's wait for the other
+    ranks is not in them, which is what tells a straggler from the ranks that wait for it.
     """
 
     @tf.function(reduce_retracing=True)
     def train_step(batch):
-        with tf.GradientTape() as tape:
+        began = tf.timestamp()
+        with tf.control_dependencies([began]), tf.GradientTape() as tape:
             value = loss(batch)
-        if hvd is not None:
-            tape = hvd.DistributedGradientTape(tape)
         grads = tape.gradient(value, variables)
-        optimizer.apply(grads, variables)
+        with tf.control_dependencies([g for g in grads if g is not None]):
+            own_seconds = tf.timestamp() - began
         if hvd is not None:
+            # what hvd.DistributedGradientTape does with its defaults, after the clock above
+            grads = [None if g is None else hvd.allreduce(g, op=hvd.Average) for g in grads]
             value = hvd.allreduce(value, op=hvd.Average)
-        return value, grads
+        optimizer.apply(grads, variables)
+        return value, grads, own_seconds
 
     return train_step
