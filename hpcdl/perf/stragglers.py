@@ -13,7 +13,8 @@ step: lognormal with spread σ, times `stall_factor` with probability `stall_pro
   own), and a stall adds log(stall_factor) to it. Stalls only lengthen steps, so σ comes from the
   residuals below their median (their half-width at the 16th percentile, 1σ of a normal), then
   steps beyond :data:`STALL_SIGMAS` σ above the body are stalls (if there are more of them than
-  the body's own tail would give); σ is fitted again without them.
+  the body's own tail would give); σ is fitted again without them, from the median absolute
+  deviation.
   The stall factor is the stalls' median ratio to their rank's median; their share, divided by
   the chance that a stall of that factor clears the threshold, is the stall probability.
 
@@ -38,6 +39,7 @@ MIN_STALLS = 3  # fewer steps beyond the threshold are taken for the body's own 
 WARMUP_STEPS = 3
 MIN_STEPS = 30  # per rank, after the warm-up: fewer give no sound spread
 _LOWER_SIGMA_QUANTILE = 0.15865525393145707  # Φ(−1)
+_MAD_TO_SIGMA = 1.482602218505602  # 1 / Φ⁻¹(3/4)
 
 
 class TooFewSteps(ValueError):
@@ -117,6 +119,10 @@ def fit_stragglers(times: Mapping[str, Sequence[float]] | Sequence[Sequence[floa
             stalled = residuals > centre + 1e-3  # no spread: any longer step is a stall
         else:
             stalled = residuals > centre + STALL_SIGMAS * sigma
+    body = residuals[~stalled]
+    # the body without its stalls is symmetric: its median absolute deviation is the steadier
+    # estimate (a 4 % error at 600 steps where the lower half's is 6 %)
+    sigma = float(_MAD_TO_SIGMA * np.median(np.abs(body - np.median(body))))
     stall_probability, stall_factor = 0.0, 1.0
     if stalled.sum() >= max(MIN_STALLS, 10 * _normal_sf(STALL_SIGMAS) * residuals.size):
         stall_factor = float(np.exp(np.median(residuals[stalled]) - centre))
