@@ -98,7 +98,7 @@ def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list
     for _ in range(steps):
         step_losses = []
         for g in range(count):
-            loss, grads = steps_of[g](next(batches[g]))
+            loss, grads, _, _ = steps_of[g](next(batches[g]))
             step_losses.append(float(loss))
             if sync:
                 continue

@@ -489,14 +489,17 @@ def workloads(as_json):
 @click.option("--staleness-bound", default=8.0, show_default=True, type=FiniteFloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")
 @click.option("--max-applier-util", default=0.5, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the applier's largest busy share.")
 @click.option("--max-exchange-share", default=0.05, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the exchange's largest share of a group's time.")
+@click.option("--from-run", "from_run", metavar="RUN", help="Fit the stragglers (σ, stalls, slow nodes) to the step times each rank of RUN (a run directory or id) recorded, instead of assuming them.")
+@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
-         max_applier_util, max_exchange_share, seed, as_json):
+         max_applier_util, max_exchange_share, from_run, runs_dir, seed, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
     assumption is printed. JOB is hep, or a job file of any workload: its network's FLOPs and
-    size are then counted from the model it builds (from its data's shape)."""
+    size are then counted from the model it builds (from its data's shape). With --from-run the
+    stragglers are measured: a short synchronous run of the job shows them."""
     from hpcdl.display import paper_check_text, plan_view
     from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
@@ -504,6 +507,15 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
         raise InputError(f"plan takes {', '.join(PLANNED_WORKLOADS)} or a job file (.toml), got {workload!r}")
     if inputs_spec and node_flops:
         raise InputError("give --inputs or --node-flops, not both")
+    fitted = None
+    if from_run:  # before the measurement below: a run without step times fails at once
+        from hpcdl.perf.stragglers import TooFewSteps, fit_run
+        from hpcdl.runs import find_run
+
+        try:
+            fitted = fit_run(find_run(from_run, runs_dir))
+        except TooFewSteps as exc:
+            raise InputError(str(exc)) from None
     source = "--node-flops"
     if not inputs_spec and not node_flops:
         from hpcdl.perf.measure import measure_in_subprocess
@@ -521,14 +533,18 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
         inputs = with_job_exchange(inputs, workload, overrides, whole_section=not inputs_spec)
         if workload not in PLANNED_WORKLOADS:
             inputs = _with_job_network(inputs, workload)
+        if fitted is not None:
+            inputs = fitted.applied_to(inputs, f"run {from_run}")
         counts = [int(c) for c in group_counts.split(",")] if group_counts else None
         result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
         raise InputError(str(exc)) from None
     if as_json:
-        _emit_json(result.to_dict())
+        _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {})})
         return
+    if fitted is not None:
+        console.print(fitted.describe(), markup=False)
     console.print(plan_view(result))
     if inputs_spec == "paper":
         console.print("\n" + paper_check_text(paper_check(seed=seed)))

@@ -45,12 +45,15 @@ class Emulator:
             x *= c.slow_factor
         return float(x)
 
-    def pace(self, step: int, step_started: float) -> None:
-        """Sleep until the step has lasted its emulated time (perf_counter clock); maybe die."""
+    def pace(self, step: int, step_started: float) -> float:
+        """Sleep until the step has lasted its emulated time (perf_counter clock), which is
+        returned; maybe die."""
         self.maybe_kill()
-        remaining = step_started + self.config.step_seconds * self.factor(step) - time.perf_counter()
+        emulated = self.config.step_seconds * self.factor(step)
+        remaining = step_started + emulated - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+        return emulated
 
     def maybe_kill(self) -> None:
         c = self.config

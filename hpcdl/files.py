@@ -10,6 +10,8 @@
 * :func:`append_lines`: whole lines at the end of a file opened with ``O_APPEND``; a line torn by
   an earlier crash is terminated first, and a write that fails is cut off again, so the file
   stays a sequence of whole lines.
+* :func:`append_records`: fixed-width binary records at the end of a file of one writer; a record
+  torn by an earlier crash is cut off first, so the file stays a sequence of whole records.
 * :func:`append_jsonl` and :func:`read_jsonl`: JSON lines (metrics, the applier's events) on top
   of those two: one object a line, a torn or garbled line skipped when read.
 * :func:`read_regular`: the bytes of a file hpcdl reads whole (job files, JSON records, planner
@@ -115,11 +117,37 @@ def append_lines(path: Path, data: bytes, *, access: Access, fsync: bool = False
     returns the file's size after it.
 
     Exact for a single writer; concurrent writers of small records keep whole lines (O_APPEND)."""
+
+    def mend(fd: int, start: int) -> tuple[int, bytes]:
+        if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
+            return start, b"\n" + data  # terminate a line torn by a crash
+        return start, data
+
+    return _append(path, mend, access=access, fsync=fsync)
+
+
+def append_records(path: Path, data: bytes, record_size: int, *, access: Access) -> int:
+    """Append whole fixed-width records to ``path``, which only this process writes (module
+    docstring); returns the file's size after it."""
+    if len(data) % record_size:
+        raise ValueError(f"{len(data)} bytes are not whole records of {record_size}")
+
+    def mend(fd: int, end: int) -> tuple[int, bytes]:
+        start = end - end % record_size
+        if start != end:  # a record torn by a kill: the next ones must start on a boundary
+            os.ftruncate(fd, start)
+        return start, data
+
+    return _append(path, mend, access=access, fsync=False)
+
+
+def _append(path: Path, mend: Callable[[int, int], tuple[int, bytes]], *, access: Access,
+            fsync: bool) -> int:
+    """One write at the end of ``path``, after ``mend(fd, size)`` repaired what a crash tore and
+    said where the write starts and what it writes; returns the file's size after it."""
     fd = access.open_append(path)
     try:
-        start = os.lseek(fd, 0, os.SEEK_END)
-        if start > 0 and os.pread(fd, 1, start - 1) != b"\n":
-            data = b"\n" + data  # terminate a line torn by a crash
+        start, data = mend(fd, os.lseek(fd, 0, os.SEEK_END))
         try:
             # one write, so that concurrent appenders' lines do not interleave; a short write to
             # a regular file means the disk or the quota is full

@@ -8,6 +8,7 @@
       groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
       groups/<g>/state.json      the group's last known state (published atomically)
       groups/<g>/rank<r>.log     each rank's stdout/stderr
+      groups/<g>/step-times/rank<r>.bin  each rank's own time of every step (hpcdl.steptimes)
       groups/<g>/mpirun.log      the local MPI launcher's own output (run.controller = "mpi")
       groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
       groups/<g>/life.json       the group's life: state, restarts, exit codes, reason (hpcdl.lifecycle)
@@ -255,6 +256,23 @@ class RunDir:
     def rank_log(self, group: int, rank: int) -> Path:
         return self.group_dir(group) / f"rank{rank}.log"
 
+    def step_times_dir(self, group: int) -> Path:
+        return self.group_dir(group) / "step-times"
+
+    def step_times_file(self, group: int, rank: int) -> Path:
+        """Rank `rank` of group `group`: its own time of every step (hpcdl.steptimes)."""
+        return self.step_times_dir(group) / f"rank{rank}.bin"
+
+    def step_times_files(self) -> dict[tuple[int, int], Path]:
+        """(group, rank) → the rank's step-time file, for every rank that recorded any."""
+        found = {}
+        for group in self.groups():
+            for path in self.step_times_dir(group).glob("rank*.bin"):
+                rank = path.stem.removeprefix("rank")
+                if rank.isdigit():
+                    found[group, int(rank)] = path
+        return dict(sorted(found.items()))
+
     def mpi_launcher_log(self, group: int) -> Path:
         """The output of the local mpirun of a group (its ranks write their own rank logs)."""
         return self.group_dir(group) / "mpirun.log"
@@ -373,6 +391,7 @@ def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tu
         })
         for g in range(job.run.groups):
             access.make_dir(staged.group_dir(g))
+            access.make_dir(staged.step_times_dir(g))
             StorageReport(staged.storage_file(g), access).close()  # reserved while there is space
         access.make_dir(staged.scheduler_dir)
         StorageReport(staged.supervisor_storage_file, access).close()

@@ -299,7 +299,8 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
 
         sync = ExchangeSync.for_run(run, job, group, storage)
     paths = GroupPaths(checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
-                       state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group))
+                       state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group),
+                       step_times=run.step_times_file(group, hvd.rank()))
     pace = None
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator

@@ -1,15 +1,19 @@
-"""The straggler and failure emulator: reproducible from its seed, the shape of its draws, its kill."""
+"""The straggler and failure emulator: reproducible from its seed, the shape of its draws, its kill,
+and the planner measuring it from a run."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 
 import numpy as np
+import pytest
 
 from hpcdl.config import EmulateConfig
 from hpcdl.emulate import Emulator
+from tests.conftest import hpcdl, set_args, tiny_overrides
 
 
 def test_factors_are_reproducible_per_seed_shard_and_step(tmp_path):
@@ -55,3 +59,19 @@ def test_the_planned_kill_happens_once_per_run(tmp_path):
     assert first.returncode == -9 and mark.exists() and "survived" not in first.stdout
     again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "survived" in again.stdout
+
+
+def test_plan_from_a_short_synchronous_run_measures_its_emulated_spread(hep_files, tmp_path):
+    """One group of two ranks, each step padded to a lognormal time of σ 0.3: the ranks' own
+    recorded times give the planner σ back within 20 %, though each step waited for the slower."""
+    emulated = ["emulate.enabled=true", "emulate.step_seconds=0.05", "emulate.sigma=0.3", "emulate.seed=7",
+                "train.validate_every=0", "train.log_every=50", "train.checkpoint_every=200"]
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=250) + emulated
+    hpcdl("submit", "hep", "--nodes", "2", "--group-size", "2", *set_args(overrides), cwd=tmp_path, timeout=300)
+    plan = hpcdl("plan", "hep", "--nodes", "8", "--groups", "1,8", "--node-flops", "1e12", "--from-run",
+                 str(next((tmp_path / "runs").iterdir())), "--json", cwd=tmp_path, timeout=120)
+    fitted = json.loads(plan.stdout)["stragglers"]
+    assert fitted["ranks"] == 2 and fitted["steps"] == 2 * (250 - 3)
+    assert fitted["sigma"] == pytest.approx(0.3, rel=0.2), fitted
+    assert fitted["slow_ranks"] == []
+    assert json.loads(plan.stdout)["inputs"]["straggler_sigma"] == fitted["sigma"]

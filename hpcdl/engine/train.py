@@ -32,6 +32,7 @@ from hpcdl.engine.tuning import precision_policy
 from hpcdl.errors import NonFiniteLoss
 from hpcdl.runs import MANIFEST, State, write_json_atomic
 from hpcdl.files import append_jsonl
+from hpcdl.steptimes import StepTimeLog
 from hpcdl.storage import FinalSaveFailed, StorageReport, attempt, recorded_checkpoint, save_checkpoint
 
 FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between tries of the last checkpoint and state
@@ -46,6 +47,7 @@ class GroupPaths:
     metrics: Path
     state: Path
     tensorboard: Path
+    step_times: Path | None = None  # this rank's own time of each step (hpcdl.steptimes); None: not kept
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,9 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     before the time limit) is agreed on by all ranks at each step: the group checkpoints and
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
     `pace(step, started)`, called after each step with the step's start (perf_counter), may stretch
-    it (the straggler emulator, hpcdl.emulate). Validation runs every `train.validate_every` steps
+    it (the straggler emulator, hpcdl.emulate) and returns the seconds it stretches it to. Each
+    rank records its own time of every step in `paths.step_times`: its forward and backward,
+    or the emulated time if longer. Validation runs every `train.validate_every` steps
     and at the end; with an exchange, at the first adoption from then on, so it scores the master
     weights.
 
@@ -299,15 +303,18 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     batches = workload.train_batches(job, stats, group * size + rank, groups * size, seed=job.train.seed + g.resumed_from)
     train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, hvd)
     coordinate = exchange or stop_requested is not None
+    own_times = StepTimeLog(paths.step_times) if paths.step_times is not None else None
     stopped = False
     try:
         for current in range(g.resumed_from + 1, job.train.steps + 1):
             started = time.perf_counter()
-            loss, grads, finite = train_step(next(batches))  # collective: the gradients' allreduce
+            loss, grads, finite, own_seconds = train_step(next(batches))  # collective: the gradients' allreduce
             if not finite.numpy().all():  # the same verdict on every rank: the averages are the group's
                 raise NonFiniteLoss(_non_finite_reason(current, finite.numpy(), g.names, g.resumed_from))
-            if pace is not None:
-                pace(current, started)
+            paced = pace(current, started) if pace is not None else None
+            if own_times is not None:
+                own = float(own_seconds)
+                own_times.record(current, own if paced is None else max(own, paced))
             g.step.assign(current)
             adopt = False
             if coordinate:  # collective: whether to adopt and to stop; on adoption, the broadcast
@@ -322,6 +329,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
             if stopped:
                 break
     finally:
+        if own_times is not None:
+            own_times.flush()
         # No reader thread may be inside HDF5 when the interpreter exits: a daemon thread frozen
         # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
         batches.close()

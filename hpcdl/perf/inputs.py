@@ -35,6 +35,10 @@ FIELDS: tuple[InputField, ...] = (
     InputField("allreduce_latency", "s", "network latency per tree round (α)"),
     InputField("allreduce_bandwidth", "bytes/s", "network point-to-point bandwidth (B)"),
     InputField("straggler_sigma", "", "lognormal σ of one node's step time, E[X]=1"),
+    InputField("stall_probability", "", "chance a node's step stalls"),
+    InputField("stall_factor", "×", "a stalled step's time over an ordinary one"),
+    InputField("slow_node_fraction", "", "share of nodes persistently slow"),
+    InputField("slow_factor", "×", "a slow node's step time over the others'"),
     InputField("exchange_kind", "", "update a group publishes: gradient or delta"),
     InputField("exchange_every", "steps", "steps between a group's updates (H)"),
     InputField("delta_dtype", "", "dtype of a delta on the wire (kind delta)"),
@@ -74,6 +78,10 @@ class PlanInputs:
     allreduce_latency: float
     allreduce_bandwidth: float
     straggler_sigma: float
+    stall_probability: float = 0.0
+    stall_factor: float = 1.0
+    slow_node_fraction: float = 0.0
+    slow_factor: float = 1.0
     exchange_kind: str = "gradient"
     exchange_every: int = 1
     delta_dtype: str = "float32"
@@ -98,6 +106,13 @@ class PlanInputs:
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        for name in ("stall_probability", "slow_node_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be between 0 and 1, got {getattr(self, name)!r}")
+        for name in ("stall_factor", "slow_factor"):
+            value = getattr(self, name)
+            if not (value >= 1 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
         for name in ("batch_per_node", "exchange_every", "applier_max_batch", "exchange_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
@@ -330,6 +345,10 @@ PAPER_CORI_HEP: dict[str, tuple[Any, str]] = {
     "allreduce_latency": (3.7e-6, "NERSC Cori page: Aries MPI latency 0.25-3.7 us (top)"),
     "allreduce_bandwidth": (8e9, "NERSC Cori page: Aries MPI bandwidth ~8 GB/s"),
     "straggler_sigma": (0.10, "ASSUMED (round, not measured or fitted): 10% spread"),
+    "stall_probability": (0.0, "not modelled (the paper's figures are of stragglers' spread)"),
+    "stall_factor": (1.0, "not modelled"),
+    "slow_node_fraction": (0.0, "not modelled"),
+    "slow_factor": (1.0, "not modelled"),
     "exchange_kind": ("gradient", "paper: groups send gradients to the parameter server"),
     "exchange_every": (1, "paper: every group step goes to the parameter server"),
     "delta_dtype": ("float32", "not used by kind gradient"),
@@ -345,6 +364,7 @@ PAPER_CORI_HEP: dict[str, tuple[Any, str]] = {
 
 _GENERIC = "ASSUMED: generic cluster default; override"
 _HPCDL = "hpcdl defaults (jobs/hep.toml, hpcdl.applier)"
+_NOT_MODELLED = "ASSUMED: none; measure them (plan --from-run)"
 
 # hpcdl on a generic cluster: a non-blocking exchange through a Lustre directory (a few ms per
 # file operation, ~1 GB/s per client), the compiled Adam applier (~4 GB/s of gradient) and a
@@ -353,7 +373,12 @@ _HPCDL = "hpcdl defaults (jobs/hep.toml, hpcdl.applier)"
 HPCDL_DEFAULTS: dict[str, tuple[Any, str]] = {
     "allreduce_latency": (2e-6, _GENERIC),
     "allreduce_bandwidth": (10e9, _GENERIC),
-    "straggler_sigma": (0.05, "ASSUMED: 5% per-node step-time spread; override"),
+    "straggler_sigma": (0.05, "ASSUMED: 5% per-node step-time spread; override or measure "
+                              "(plan --from-run)"),
+    "stall_probability": (0.0, _NOT_MODELLED),
+    "stall_factor": (1.0, _NOT_MODELLED),
+    "slow_node_fraction": (0.0, _NOT_MODELLED),
+    "slow_factor": (1.0, _NOT_MODELLED),
     "exchange_kind": ("gradient", _HPCDL),
     "exchange_every": (1, _HPCDL),
     "delta_dtype": ("float32", _HPCDL),

@@ -9,6 +9,12 @@ training FLOP/s of one node):
   time is t_c·max(X_1..X_P). The max of P iid draws is sampled exactly by inversion
   (max = F⁻¹(U^(1/P)), U uniform), one draw per group and step, so 9600 nodes cost no more than
   one. The straggler wait is E[max] − t_c.
+* stalls and slow nodes (both 0 unless measured, hpcdl.perf.stragglers): a node's step stalls
+  with probability p, taking `stall_factor` times as long; the number of stalled nodes of a
+  step is binomial, and the slowest is the larger of the two maxima, stalled and not. A share
+  of the nodes is persistently `slow_factor` times slower; they are dealt to the groups in turn
+  (as a scheduler spreads them when it does not know them), so a group with one waits for it
+  every step.
 * allreduce (and the broadcast of adopted weights), recursive doubling / binomial tree:
   T(P, n) = ⌈log₂ P⌉ · (α + n/B) for P > 1, 0 for P = 1, with n the gradient's bytes, α the
   network's latency and B its point-to-point bandwidth. Each of the ⌈log₂ P⌉ rounds moves the
@@ -91,12 +97,44 @@ def norm_ppf(p: np.ndarray, q: np.ndarray | None = None) -> np.ndarray:
     return out
 
 
-def sample_slowest(rng: np.random.Generator, sigma: float, nodes: int, size: Any) -> np.ndarray:
-    """Draws of max(X_1..X_nodes), X iid lognormal with E[X] = 1 (σ = 0: exactly 1)."""
+def sample_slowest(rng: np.random.Generator, sigma: float, nodes: Any, size: Any, *,
+                   stall_probability: float = 0.0, stall_factor: float = 1.0) -> np.ndarray:
+    """Draws of max(X_1..X_nodes), X iid lognormal with E[X] = 1 (σ = 0: exactly 1), each X
+    times `stall_factor` with probability `stall_probability`. `nodes` may be an array that
+    broadcasts to `size`; a max over no nodes is 0."""
+    nodes = np.broadcast_to(np.asarray(nodes), size)
+    if stall_probability <= 0 or stall_factor == 1:
+        return _lognormal_max(rng, sigma, nodes, size)
+    stalled = rng.binomial(nodes, stall_probability)
+    return np.maximum(_lognormal_max(rng, sigma, nodes - stalled, size),
+                      stall_factor * _lognormal_max(rng, sigma, stalled, size))
+
+
+def _lognormal_max(rng: np.random.Generator, sigma: float, nodes: np.ndarray, size: Any) -> np.ndarray:
     if sigma == 0:
-        return np.ones(size)
+        return np.where(nodes > 0, 1.0, 0.0) * np.ones(size)
     u = rng.random(size)
     u = np.maximum(u, np.finfo(float).tiny)
-    lu = np.log(u) / nodes  # log of U^(1/P)
+    with np.errstate(divide="ignore"):
+        lu = np.log(u) / np.maximum(nodes, 1)  # log of U^(1/P)
     z = norm_ppf(np.exp(lu), -np.expm1(lu))
-    return np.exp(sigma * z - 0.5 * sigma * sigma)
+    return np.where(nodes > 0, np.exp(sigma * z - 0.5 * sigma * sigma), 0.0)
+
+
+def slow_nodes_per_group(nodes: int, groups: int, fraction: float) -> np.ndarray:
+    """How many of the round(fraction × nodes) slow nodes each group holds, dealt in turn."""
+    slow = round(fraction * nodes)
+    return np.array([slow // groups + (g < slow % groups) for g in range(groups)])
+
+
+def sample_group_slowest(rng: np.random.Generator, inputs: Any, nodes_per_group: int,
+                         slow_per_group: np.ndarray, size: Any) -> np.ndarray:
+    """Draws of the slowest node's factor per group (axis 0 of `size`) and step, stragglers,
+    stalls and the group's slow nodes included (`inputs`: a PlanInputs)."""
+    stalls = dict(stall_probability=inputs.stall_probability, stall_factor=inputs.stall_factor)
+    sigma = inputs.straggler_sigma
+    slow = np.asarray(slow_per_group).reshape((-1,) + (1,) * (len(size) - 1))
+    if inputs.slow_factor == 1 or not slow.any():
+        return sample_slowest(rng, sigma, nodes_per_group, size, **stalls)
+    ordinary = sample_slowest(rng, sigma, nodes_per_group - slow, size, **stalls)
+    return np.maximum(ordinary, inputs.slow_factor * sample_slowest(rng, sigma, slow, size, **stalls))

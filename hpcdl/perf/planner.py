@@ -34,7 +34,9 @@ from hpcdl.perf.model import (
     allreduce_seconds,
     hep_network,
     norm_ppf,
+    sample_group_slowest,
     sample_slowest,
+    slow_nodes_per_group,
     tree_collective_seconds,
     tree_rounds,
 )
@@ -66,7 +68,7 @@ from hpcdl.perf.simulate import ExchangeSim, Update, simulate_exchange
 __all__ = [
     "FIELDS", "HPCDL_DEFAULTS", "JOB_EXCHANGE_FIELDS", "PAPER_CORI_HEP", "Assumption",
     "InputField", "PlanInputs", "job_exchange_values", "with_job_exchange", "allreduce_seconds", "hep_network",
-    "norm_ppf", "sample_slowest", "tree_collective_seconds", "tree_rounds",
+    "norm_ppf", "sample_group_slowest", "sample_slowest", "slow_nodes_per_group", "tree_collective_seconds", "tree_rounds",
     "MAX_APPLIER_UTILISATION", "MAX_EXCHANGE_SHARE", "PAPER_HEP_GROUPS", "PAPER_HEP_PEAK_FLOPS",
     "PAPER_HEP_SUSTAINED_FLOPS", "PAPER_HEP_WORKERS", "RULE", "EveryAdvice", "ShardAdvice", "GroupPlan", "Plan",
     "applier_utilisation", "default_candidates", "evaluate", "exchange_share", "paper_check",

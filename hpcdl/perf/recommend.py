@@ -52,7 +52,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from hpcdl.perf.inputs import PlanInputs
-from hpcdl.perf.model import allreduce_seconds, sample_slowest
+from hpcdl.perf.model import allreduce_seconds, sample_group_slowest, slow_nodes_per_group
 from hpcdl.perf.simulate import simulate_exchange
 
 # The paper's reported figures for HEP at ~9600 nodes (README, Figures: the paper check).
@@ -238,7 +238,8 @@ def evaluate(inputs: PlanInputs, nodes: int, groups: int, *, seed: int = 0,
     r = rounds or max(MIN_ROUNDS, math.ceil(TARGET_UPDATES / groups))
     t_c = inputs.compute_seconds
     t_ar = allreduce_seconds(inputs, p)
-    slowest = sample_slowest(rng, inputs.straggler_sigma, p, (groups, r, k))
+    slow = slow_nodes_per_group(nodes, groups, inputs.slow_node_fraction)
+    slowest = sample_group_slowest(rng, inputs, p, slow, (groups, r, k))
     straggler = t_c * (float(slowest.mean()) - 1.0)
     steps = t_c * slowest + t_ar
     step_flops = p * inputs.batch_per_node * inputs.flops_per_example  # one group step
