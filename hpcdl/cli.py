@@ -300,7 +300,9 @@ def logs(run, runs_dir, group, rank, applier, follow):
 def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, as_json):
     """Score a model. CHECKPOINT is a run directory or run id, a checkpoint directory or a
     checkpoint prefix such as runs/RUN/checkpoints/0/ckpt-400 (default: the newest run under
-    --runs-dir). Prints the metrics and writes a ROC plot."""
+    --runs-dir). Prints the metrics (docs/reference/metrics.md) and writes the workload's plots
+    into the run's eval/ (hep: a ROC curve; climate: detections; keras: a confusion matrix, or
+    predicted against true per output). The data is scanned for NaN/Inf first."""
     from hpcdl.evaluate import evaluate as run_evaluate, locate
 
     checkpoint = locate(checkpoint, runs_dir)

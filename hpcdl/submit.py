@@ -62,7 +62,7 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
     scheduler = get_scheduler(job.run.backend)
     if cluster is None:
         cluster = scheduler.cluster_facts(job)
-    run = RunDir(Path(job.run.runs_dir) / new_run_id(job))
+    run = RunDir(Path(job.run.runs_dir).absolute() / new_run_id(job))  # both backends print and use one spelling
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
     check_precision(job)
     exchange = Path(job.exchange.directory) if job.exchange.directory else None
