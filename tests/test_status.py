@@ -160,3 +160,25 @@ def test_a_long_failure_reason_in_the_local_supervisors_record_stays_out_of_the_
     assert "…" not in table and "a reason that goes on" not in table, text
     assert "│ failed " in table and "a reason that goes on" in text
 
+
+def test_a_foreground_submit_whose_run_ended_partial_exits_1_saying_why(tmp_path, capsys):
+    """Whatever the backend reported, `submit` and `resume` exit by the run's state as status
+    decides it: one group cancelled is no finished run."""
+    from hpcdl.cli import _start_and_report
+
+    job = load_job("hep", [f'run.runs_dir="{tmp_path}"', "run.nodes=2", "run.group_size=1", "train.steps=100"])
+    with create_run(job, "local") as (_, run):
+        pass
+    record_group(run, 0, "finished", 100, {"state": "finished"})
+    record_group(run, 1, "stopped", 30, {"state": "cancelled"})
+    ended = {"run_id": run.run_id, "run_dir": str(run.root), "supervisor_pid": 0, "ok": True}
+    with pytest.raises(SystemExit) as exited:
+        _start_and_report(job, lambda **_: dict(ended), detach=False, as_json=True)
+    assert exited.value.code == 1
+    said = json.loads(capsys.readouterr().out)
+    assert said["ok"] is False and said["state"] == "cancelled"
+    assert said["not_finished"] == [{"group": 1, "state": "cancelled",
+                                     "why": "cancelled at step 30 of 100 (`hpcdl cancel`, Ctrl-C or a signal), checkpointed"}]
+    record_group(run, 1, "finished", 100, {"state": "finished"})
+    _start_and_report(job, lambda **_: dict(ended), detach=False, as_json=True)  # no exit: finished
+    assert json.loads(capsys.readouterr().out)["state"] == "finished"
