@@ -221,7 +221,7 @@ def test_a_crash_requeues_the_element_while_restarts_remain(tmp_path):
 
 
 def test_an_element_requeued_beyond_run_max_restarts_does_not_run(tmp_path):
-    """SLURM itself requeues after a node failure or preemption (--requeue): bounded too."""
+    """SLURM itself requeues after a node failure (--requeue): a crash restart, bounded too."""
     run, scripts, env = render(tmp_path, "run.max_restarts=2")
     proc = start(scripts["group"], env, SLURM_RESTART_COUNT="3")
     out, _ = proc.communicate(timeout=60)
