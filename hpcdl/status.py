@@ -269,7 +269,7 @@ def group_state_of(reported: str | None, life: str | None, scheduler: str | None
     own = _as_state(life or reported)
     if own == State.FINISHED:
         own = State.COMPLETED
-    if own in (State.PENDING, State.RUNNING) and backend in ENDED | {State.LOST}:
+    if own in (State.PENDING, State.RUNNING) and backend in ENDED:
         return backend
     return own
 
