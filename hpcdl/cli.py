@@ -146,14 +146,21 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
 
 def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
     """Start a prepared run (submit or resume), with a progress bar while the backend keeps it
-    attached here (the local one, unless detached); print the run and its SLURM job ids."""
+    attached here (the local one, unless detached); print the run and its SLURM job ids. A run
+    watched to its end exits 0 only if status calls it finished; otherwise each group that did
+    not finish says why, and the exit status is 1."""
     from hpcdl.display import GroupProgress
+    from hpcdl.runs import RunDir, State
+    from hpcdl.status import run_outcome
 
     if as_json or detach:
         result = start(detach=detach)
     else:
         with GroupProgress(console, job.train.steps) as progress:
             result = start(detach=False, watch=progress.update)
+    if "ok" in result:  # watched to its end
+        result.update(run_outcome(RunDir(Path(result["run_dir"]))))
+        result["ok"] = result["ok"] and result["state"] == State.FINISHED
     if as_json:
         _emit_json(result)
     else:
@@ -164,7 +171,11 @@ def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
                           f"(elements 0-{job.run.groups - 1})"
                           + (f", applier {applier}" if applier else ""))
         if result.get("ok") is False:
-            err.print("[red]the run did not finish: see `hpcdl status` and the logs under groups/[/]")
+            err.print(f"[red]the run did not finish: {result['state']}[/] (`hpcdl status` shows it; "
+                      "the logs are under groups/)")
+            for group in result["not_finished"]:
+                err.print(f"  group {group['group']} {group['state']}: {group['why']}", markup=False,
+                          soft_wrap=True)
     if result.get("ok") is False:
         sys.exit(1)
 
@@ -211,7 +222,7 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
 def status(run, runs_dir, as_json, watch, interval, plot):
     """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
     from hpcdl.display import status_view
-    from hpcdl.runs import State, find_run
+    from hpcdl.runs import find_run
     from hpcdl.status import collect
 
     if plot and watch:
@@ -239,7 +250,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
             while True:
                 current = collect(run_dir)
                 live.update(status_view(current))
-                if current["state"] not in (State.RUNNING, State.PENDING):
+                if not current["underway"]:
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:

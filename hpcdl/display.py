@@ -57,19 +57,18 @@ def status_view(status: Mapping[str, Any]):
                   + "[/]")
     groups = Table(title=title, title_justify="left", expand=False)
     for column in ("grp", "state", "step", "loss", "val", "img/s", "FLOP/s", "sustained",
-                   "xchg age", "stale", "rest."):
+                   "xchg age", "stale", "restarts", "requeues"):
         groups.add_column(column, justify="left" if column == "state" else "right", no_wrap=True)
+    below = []  # what does not fit a cell: long reasons would squeeze every column to "…"
     for g in status["groups"]:
         stale = "-"
         if g.get("staleness_mean") is not None:
             stale = f"{g['staleness_mean']:.1f}/{g.get('staleness_max', 0)}"
-        slurm = g["backend"].get("nodes") or g["backend"].get("reason")  # where, or why not yet
-        state = g["state"] + (f" ({slurm})" if slurm else "")
-        groups.add_row(str(g["group"]), state, f"{g['step']}/{g['steps']}", _num(g["loss"]),
-                       validation_text(g.get("validation")), _num(g["images_per_s"], "{:.1f}"), si(g["flops_per_s"]),
-                       si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")), stale,
-                       str(g["restarts"]))
-    parts = [groups]
+        groups.add_row(str(g["group"]), escape(_state_cell(g, below)), f"{g['step']}/{g['steps']}",
+                       _num(g["loss"]), validation_text(g.get("validation")), _num(g["images_per_s"], "{:.1f}"),
+                       si(g["flops_per_s"]), si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")),
+                       stale, str(g.get("crash_restarts", 0)), str(g.get("planned_requeues", 0)))
+    parts = [groups, *below]
     for g in status["groups"]:
         if "logs" in g:
             reason = escape(g["last_error"]) if g.get("last_error") else "no error line in its logs"
@@ -78,6 +77,8 @@ def status_view(status: Mapping[str, Any]):
             where = ", ".join(escape(p) for p in g["logs"]) or "no log files"
             parts.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
                          f"(hpcdl logs {escape(status['run_dir'])} --group {g['group']})")
+        elif g.get("why"):
+            parts.append(f"[yellow]group {g['group']} {g['state']}[/]: {escape(g['why'])}")
     warnings = storage_warnings(status.get("storage") or [])
     if warnings is not None:
         parts.insert(0, warnings)
@@ -116,6 +117,21 @@ def status_view(status: Mapping[str, Any]):
         f" ({si(per_node, 'FLOP/s')} per node) · peak {si(t['peak_flops_per_s'], 'FLOP/s')}"
     )
     return Group(*parts)
+
+
+WHERE_IN_CELL = 24  # longer (a list of unavailable nodes) goes below the table
+
+
+def _state_cell(group: Mapping[str, Any], below: list[str]) -> str:
+    """hpcdl's state of a group, SLURM's beside it where it says something else, and where the
+    element runs or why it waits, e.g. "cancelled (SLURM: COMPLETED)", "pending (Priority)"."""
+    notes = [f"SLURM: {group['scheduler_state']}"] if group.get("scheduler_state") else []
+    where = group.get("where")
+    if where and len(where) <= WHERE_IN_CELL:
+        notes.append(where)
+    elif where:
+        below.append(f"group {group['group']} {group['state']}: {escape(where)}")
+    return group["state"] + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def storage_warnings(warnings: list[Mapping[str, Any]]):

@@ -11,9 +11,10 @@ and exit with ``EXIT_REQUEUE``.
 The backends differ only in how they start processes and how they go on after a stop or a crash,
 which they pass in: the local backend restarts a crashed group in place and has no requeue; a SLURM
 element requeues itself (exactly itself: ``<array id>_<task id>``) for both, and SLURM starts it
-again. Both count restarts the same way: every restart after a failure counts against
-``run.max_restarts``; a requeue the group asked for at the warning signal is how a long run goes on
-and does not (``planned_requeues``).
+again. Both count a group's restarts the same way and by kind (``RestartTally``): a crash restart
+(after its ranks failed, or SLURM ran it again after a node failure) counts against
+``run.max_restarts``; a planned requeue (at the time limit's warning signal, or after a
+preemption) is how a long run goes on and does not.
 
 Each life publishes its record (state, restarts, exit codes, the reason of a failure) to the run
 directory (``RunDir.life_file``), so `hpcdl status` shows the same facts on both backends.
@@ -29,11 +30,12 @@ import os
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.files import read_regular
+from hpcdl.runs import RunDir, State, write_json_atomic
 
 # Exit codes of the processes a life watches, and of the life itself.
 EXIT_OK = 0
@@ -106,18 +108,91 @@ class Popened:
             self.on_close = None
 
 
-def restarts_after_failures(restart_count: int, planned_requeues: int) -> int:
-    """SLURM's SLURM_RESTART_COUNT counts every start after the first; those the group asked for
-    itself at the warning signal are not failures."""
-    return max(0, restart_count - planned_requeues)
+@dataclass
+class RestartTally:
+    """A group's starts after its first, by kind, over the run's life (kept in
+    ``RunDir.restarts_file``, across requeues and `hpcdl resume`):
+
+    - crash restarts: its ranks failed (or SLURM ran the element again after a node failure) and
+      it started again from its newest checkpoint; ``run.max_restarts`` bounds those of one
+      submission (``submission_crash_restarts``), so a resume may try again;
+    - planned requeues: the run meant it to go on -- the group requeued itself at the time
+      limit's warning signal, or SLURM requeued it after a preemption. Never bounded.
+    """
+
+    crash_restarts: int = 0
+    planned_requeues: int = 0
+    submission_crash_restarts: int = 0
+    submission_planned_requeues: int = 0
+    # Asked to stop for good by a signal that was not `hpcdl cancel`'s: if SLURM runs the element
+    # again, that was a preemption, not a crash.
+    stopped_by_signal: bool = False
+
+    @classmethod
+    def read(cls, path: Path) -> "RestartTally":
+        """The tally at `path`; missing or garbled, none yet."""
+        try:
+            data = json.loads(read_regular(path))
+        except (OSError, ValueError):
+            return cls()
+        if not isinstance(data, dict):
+            return cls()
+        counts = {name: data[name] for name in cls.__dataclass_fields__ if name != "stopped_by_signal"
+                  and isinstance(data.get(name), int) and not isinstance(data[name], bool) and data[name] >= 0}
+        return cls(**counts, stopped_by_signal=data.get("stopped_by_signal") is True)
+
+    def write(self, path: Path) -> None:
+        """Publish the tally; a full disk keeps the previous one (the count is then too low)."""
+        try:
+            write_json_atomic(path, asdict(self))
+        except OSError:
+            pass
+
+    def count_crash_restart(self) -> None:
+        self.crash_restarts += 1
+        self.submission_crash_restarts += 1
+
+    def count_planned_requeue(self) -> None:
+        self.planned_requeues += 1
+        self.submission_planned_requeues += 1
+
+    def account_slurm_starts(self, restart_count: int) -> None:
+        """SLURM's restart count of the element in this submission, against the starts the
+        group's life asked for and counted: the rest SLURM made by itself -- after a preemption
+        (the element had been stopped by a signal not hpcdl's) a planned requeue, otherwise (a
+        node failure, a kill) a crash restart."""
+        unaccounted = restart_count - self.submission_crash_restarts - self.submission_planned_requeues
+        if unaccounted > 0 and self.stopped_by_signal:
+            self.count_planned_requeue()
+            unaccounted -= 1
+        for _ in range(max(0, unaccounted)):
+            self.count_crash_restart()
+        self.stopped_by_signal = False
+
+    def new_submission(self) -> None:
+        """`hpcdl resume` submits the run again: SLURM's restart count and run.max_restarts
+        start over; the run's totals stay."""
+        self.submission_crash_restarts = self.submission_planned_requeues = 0
+        self.stopped_by_signal = False
 
 
-def forget_requeues(run: RunDir, groups: int) -> None:
-    """A new submission of the run (`hpcdl resume`) starts SLURM's restart count again, so the
-    count of the requeues the groups asked for starts again too; no stale mark stops a group."""
+def begin_new_submission(run: RunDir, groups: int) -> None:
+    """Before `hpcdl resume` submits the run again: no stale mark stops a group, each group's
+    restart tally starts a new submission (keeping the run's totals), and each life reads
+    pending until its group starts again (not the state the last submission ended in)."""
     for g in range(groups):
-        for mark in (run.stop_mark(g), run.requeue_mark(g), run.planned_requeues_file(g)):
+        for mark in (run.stop_mark(g), run.requeue_mark(g)):
             mark.unlink(missing_ok=True)
+        tally = RestartTally.read(run.restarts_file(g))
+        tally.new_submission()
+        tally.write(run.restarts_file(g))
+        try:
+            life = json.loads(read_regular(run.life_file(g)))
+        except (OSError, ValueError):
+            continue
+        if isinstance(life, dict):
+            write_json_atomic(run.life_file(g), {**life, "state": State.PENDING, "reason": "", "pids": [],
+                                                 "updated": time.time()})
     run.cancel_mark.unlink(missing_ok=True)
 
 
@@ -128,13 +203,6 @@ def _first_line(path: Path) -> str:
         return ""
 
 
-def read_count(path: Path) -> int:
-    try:
-        return int(path.read_text().strip() or 0)
-    except (OSError, ValueError):
-        return 0
-
-
 @dataclass
 class GroupLife:
     """One synchronous group, from its first start to its end.
@@ -142,6 +210,7 @@ class GroupLife:
     ``start()`` launches the group's ranks; ``requeue`` (SLURM) puts the group back in the queue
     after a stop or a crash, and the process that runs this life ends; without it (local) a
     crashed group is started again here after a back-off, and a stopped group stays stopped.
+    Every restart and requeue is counted by kind in the group's ``RestartTally`` before it happens.
     """
 
     run: RunDir
@@ -149,7 +218,6 @@ class GroupLife:
     max_restarts: int
     start: Callable[[], Processes]
     requeue: Callable[[str], None] | None = None
-    restarts: int = 0  # restarts after failures so far (SLURM: from its restart count)
     restart_count: int | None = None  # SLURM's own count of this element's starts after the first
     stop_grace_s: float | None = STOP_GRACE_S  # then the ranks are killed; None: wait (SLURM's limit ends it)
     log: Callable[[str], None] = lambda text: None
@@ -162,16 +230,26 @@ class GroupLife:
     stop_asked_at: float | None = None
     requeue_on_stop: bool = False
     exit_code: int = EXIT_OK
+    tally: RestartTally = field(init=False)
 
     def __post_init__(self) -> None:
         for mark in (self.run.stop_mark(self.group), self.run.requeue_mark(self.group),
                      self.run.input_error_file(self.group)):
             mark.unlink(missing_ok=True)
+        self.tally = RestartTally.read(self.run.restarts_file(self.group))
+        if self.restart_count is not None:
+            self.tally.account_slurm_starts(self.restart_count)
+            self.tally.write(self.run.restarts_file(self.group))
         if self.restarts > self.max_restarts:
             self._end(State.FAILED, EXIT_FAILED,
                       f"group {self.group} was restarted {self.restarts} times after failures, more than "
                       f"run.max_restarts = {self.max_restarts}; not running")
         self.publish()
+
+    @property
+    def restarts(self) -> int:
+        """Crash restarts in this submission: what ``max_restarts`` bounds."""
+        return self.tally.submission_crash_restarts
 
     @property
     def ended(self) -> bool:
@@ -183,6 +261,9 @@ class GroupLife:
         if self.ended:
             return
         self.requeue_on_stop = self.requeue_on_stop or requeue
+        if not requeue and not self.run.cancel_mark.exists():
+            self.tally.stopped_by_signal = True  # a preemption, should SLURM run the element again
+            self.tally.write(self.run.restarts_file(self.group))
         if self.procs is None:
             self._end(State.CANCELLED, EXIT_OK, "")
             return
@@ -237,8 +318,8 @@ class GroupLife:
             if not checkpointed and (self.stop_asked_at is None or self._reports_finished()):
                 self._end(State.FINISHED, EXIT_OK, "")
             elif self.requeue is not None and self.requeue_on_stop and not cancelled:
-                planned = self.run.planned_requeues_file(self.group)
-                write_bytes_atomic(planned, f"{read_count(planned) + 1}\n".encode())
+                self.tally.count_planned_requeue()
+                self.tally.write(self.run.restarts_file(self.group))
                 self._end(State.REQUEUED, EXIT_OK, "")
                 self.requeue("checkpointed")
             else:
@@ -260,7 +341,8 @@ class GroupLife:
             self._end(State.FAILED, code, f"{what}, after {self.restarts} restarts: run.max_restarts = "
                                           f"{self.max_restarts} allows no more")
         else:
-            self.restarts += 1
+            self.tally.count_crash_restart()
+            self.tally.write(self.run.restarts_file(self.group))
             self.reason = f"{what}; restart {self.restarts} of {self.max_restarts} from the newest checkpoint"
             self.log(self.reason)
             if self.requeue is not None:
@@ -290,7 +372,8 @@ class GroupLife:
             pass  # a full disk: the signal to the ranks (local) still stops them
 
     def record(self) -> dict:
-        return {"state": self.state, "restarts": self.restarts, "restart_count": self.restart_count,
+        return {"state": self.state, "restarts": self.restarts, "crash_restarts": self.tally.crash_restarts,
+                "planned_requeues": self.tally.planned_requeues, "restart_count": self.restart_count,
                 "exit_codes": self.exit_codes, "pids": self.procs.pids if self.procs else [],
                 "reason": self.reason}
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 from hpcdl.config import Job, load_job
 from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
-from hpcdl.lifecycle import forget_requeues
+from hpcdl.lifecycle import begin_new_submission
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import Scheduler, SubmitRequest
 from hpcdl.schedulers.select import choose_backend
@@ -116,7 +116,7 @@ def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, A
         write_bytes_atomic(target, text.encode())
         if text.startswith("#!"):
             target.chmod(0o755)
-    forget_requeues(run, job.run.groups)
+    begin_new_submission(run, job.run.groups)
     for g in range(job.run.groups):
         path = run.group_state_file(g)
         try:

@@ -12,6 +12,7 @@
       groups/<g>/mpirun.log      the local MPI launcher's own output (run.controller = "mpi")
       groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
       groups/<g>/life.json       the group's life: state, restarts, exit codes, reason (hpcdl.lifecycle)
+      groups/<g>/restarts.json   its crash restarts and planned requeues, kept across resumes
       checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
       tensorboard/<g>/      TensorBoard event files
       exchange/             the asynchronous channel (unless the job names another directory)
@@ -245,9 +246,10 @@ class RunDir:
         "finished")."""
         return self.scheduler_dir / "groups-ended"
 
-    def planned_requeues_file(self, group: int) -> Path:
-        """SLURM: how many times the group requeued itself at the warning signal."""
-        return self.group_dir(group) / "planned-requeues"
+    def restarts_file(self, group: int) -> Path:
+        """The group's crash restarts and planned requeues over the run's life (hpcdl.lifecycle's
+        RestartTally)."""
+        return self.group_dir(group) / "restarts.json"
 
     def emulated_kill_mark(self, group: int) -> Path:
         """Exists once the straggler emulator's planned kill happened in this group."""

@@ -13,6 +13,15 @@ FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *su
 work of the whole run divided by its wall time (data loading, checkpoints and exchange included);
 the totals add the groups' rates.
 
+A group's state is hpcdl's own word (its life's record and its root's state file); SLURM's word
+is kept beside it where it says something else (``scheduler_state``, e.g. a cancelled group whose
+element SLURM calls COMPLETED). The run's state comes from every group's (``run_state``), and a
+group that ended without finishing says why (``why``).
+
+Restarts are counted by kind over the run's life, every resume included (hpcdl.lifecycle's
+RestartTally): ``crash_restarts`` (bounded by run.max_restarts) and ``planned_requeues`` (the
+time limit's warning signal, a preemption).
+
 A group's ``published`` counts its updates over the run's life, every restart and resume
 included (its exchange sequence numbers run on), so it compares with the applier's counts:
 published = applied + dropped + backlog, plus any the channel's backlog bound deleted.
@@ -26,12 +35,13 @@ import time
 from typing import Any
 
 from hpcdl.exchange.channel import applier_status_file, applier_storage_file
-from hpcdl.files import read_regular
+from hpcdl.files import read_jsonl, read_regular
+from hpcdl.lifecycle import RestartTally
 from hpcdl.runs import ENDED, FAILED, RunDir, State
-from hpcdl.files import read_jsonl
 from hpcdl.storage import low_space, read_report
 
-
+# A group (or run) that is queued or training, or will be again without anyone asking.
+UNDERWAY = frozenset({State.PENDING, State.RUNNING, State.REQUEUED, State.SUSPENDED, State.PREEMPTED})
 
 
 def _read_json(path) -> dict[str, Any] | None:
@@ -62,6 +72,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
             logs = run.group_logs(entry["group"])
             entry["logs"] = [str(p) for p in logs]
             entry["last_error"] = last_error(logs) or entry["reason"]
+        entry["why"] = why_not_finished(entry)
     applier = None
     if job.exchange.active(job.run.groups):
         applier = _appliers_summary(run, job, backend_view.get("applier"))
@@ -81,8 +92,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "peak_flops_per_s": _sum(g["peak_flops_per_s"] for g in groups),
         "nodes": job.run.nodes,
     }
-    state = _run_state([g["state"] for g in groups])
-    if applier is not None and state != State.RUNNING and any(
+    state = run_state([g["state"] for g in groups])
+    if applier is not None and state not in UNDERWAY and any(
             row.get("phase") == "failed" for row in applier.get("shards") or [applier]):
         state = State.FAILED  # the groups ended, but the master did not come through
     return {
@@ -92,6 +103,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
         "backend": info["backend"],
         "created": info.get("created"),
         "state": state,
+        # whether a group is still queued or training: a failed run may still have groups going
+        "underway": any(g["state"] in UNDERWAY for g in groups),
         "note": backend_view.get("note", ""),
         # Emulated stragglers and failures are for experiments: said on every view of the run.
         "emulated": dataclasses.asdict(job.emulate) if job.emulate.enabled else None,
@@ -109,14 +122,19 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
     metrics = read_jsonl(run.metrics_file(g))
     state = _read_json(run.group_state_file(g)) or {}
     life = _read_json(run.life_file(g)) or {}  # hpcdl.lifecycle's record, on either backend
+    tally = RestartTally.read(run.restarts_file(g))
     last = metrics[-1] if metrics else {}
-    reported = state.get("state", State.PENDING)
-    group_state = _group_state(reported, backend.get("state"))
+    group_state = group_state_of(state.get("state"), life.get("state"), backend.get("state"))
+    slurm_word = str(backend.get("slurm_state") or "").split(" ")[0].rstrip("+") or None
     # A group that has ended exchanges nothing more: its exchange age stops at its last report.
     until = last.get("time", now) if group_state in ENDED else now
     return {
         "group": g,
         "state": group_state,
+        # SLURM's word where it says something else than hpcdl's (None on the local backend)
+        "scheduler_state": slurm_word if slurm_word and not _same(group_state, backend.get("state")) else None,
+        # SLURM: the element's nodes, or why it waits in the queue
+        "where": (backend.get("nodes") or backend.get("reason") or None) if slurm_word else None,
         # the final state is written until it holds (metrics lines may be lost to a full disk)
         "step": max(last.get("step", 0), _count(state.get("step"))),
         "steps": job.train.steps,
@@ -134,11 +152,9 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
         "published": (state if _count(state.get("step")) >= _count(last.get("step")) else last).get("exchange_published"),
         "adopted": last.get("exchange_adopted"),
         "unpublished": last.get("exchange_unpublished"),
-        # The group's life counts restarts after failures; under SLURM it also records SLURM's own
-        # count of the element's starts (requeues at the warning signal included).
-        "restarts": max(_count(backend.get("restarts")), _count(last.get("restart_count")),
-                        _count(state.get("restart_count")), _count(life.get("restarts")),
-                        _count(life.get("restart_count"))),
+        # by kind, over the run's life; a run from before the tally has its life's count
+        "crash_restarts": max(tally.crash_restarts, _count(life.get("crash_restarts")), _count(life.get("restarts"))),
+        "planned_requeues": max(tally.planned_requeues, _count(life.get("planned_requeues"))),
         "reason": life.get("reason") or "",
         "backend": backend,
     }
@@ -237,23 +253,86 @@ def _applier_summary(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _group_state(reported: str, scheduler_state: str | None) -> State:
-    """The training's own word wins once it finished; otherwise the scheduler knows better."""
+def group_state_of(reported: str | None, life: str | None, scheduler: str | None) -> State:
+    """A group's state in hpcdl's own words: its root's state file (`reported`) says whether the
+    training finished -- written only once its final checkpoint is, so it alone makes a group
+    finished; its life's record says the rest (cancelled, failed, requeued, ...). A life that saw
+    the ranks end well without that word ended "completed", not finished. Where the life's record
+    still says pending or running but the backend saw the group end (SLURM ended the element, the
+    local supervisor died), the record is stale and the backend's word stands; so it does while
+    hpcdl has said nothing yet."""
     if reported == State.FINISHED:
         return State.FINISHED
-    return State._value2member_map_.get((scheduler_state or reported).lower(), State.UNKNOWN)
+    backend = _as_state(scheduler) if scheduler else None
+    if not (life or reported):  # hpcdl has said nothing yet (its batch step is starting)
+        return backend or State.PENDING
+    own = _as_state(life or reported)
+    if own == State.FINISHED:
+        own = State.COMPLETED
+    if own in (State.PENDING, State.RUNNING) and backend in ENDED:
+        return backend
+    return own
 
 
-def _run_state(states: list[State]) -> State:
-    if all(s == State.FINISHED for s in states):
-        return State.FINISHED
-    if any(s in (State.RUNNING, State.PENDING, State.REQUEUED) for s in states):
-        return State.RUNNING
+def run_state(states: list[State]) -> State:
+    """The run's state from every group's, the most telling first:
+
+    1. failed: a group failed (or was lost, or hit the time limit): the run cannot finish as
+       submitted, even while other groups still train;
+    2. running (pending while no group has started): a group is queued, training, or requeued;
+    3. cancelled: a group was stopped at a checkpoint by a cancel, Ctrl-C or a signal;
+    4. stopped: a group checkpointed on request and was not requeued;
+    5. completed: a group's processes ended well without its training saying finished;
+    6. unknown: neither hpcdl nor the backend can say what a group did;
+    7. finished: only when every group finished, its final checkpoint written.
+    """
+    if not states:
+        return State.UNKNOWN
     if any(s in FAILED for s in states):
         return State.FAILED
-    if State.CANCELLED in states:
-        return State.CANCELLED
-    return states[0] if states else State.UNKNOWN
+    if any(s in UNDERWAY for s in states):
+        return State.PENDING if all(s == State.PENDING for s in states) else State.RUNNING
+    for telling in (State.CANCELLED, State.STOPPED, State.COMPLETED):
+        if telling in states:
+            return telling
+    return State.FINISHED if all(s == State.FINISHED for s in states) else State.UNKNOWN
+
+
+def why_not_finished(group: dict[str, Any]) -> str:
+    """Why a group that ended did not finish (its life's reason when it gave one); "" for a
+    group that finished or is still underway."""
+    state = group["state"]
+    if state == State.FINISHED or state in UNDERWAY:
+        return ""
+    at = f"at step {group['step']} of {group['steps']}"
+    if state in FAILED:
+        default = {State.LOST: f"its supervisor died {at} (`hpcdl resume` goes on from its checkpoint)",
+                   State.TIMEOUT: f"SLURM's time limit ended it {at}"}.get(state, f"failed {at}")
+        return group.get("last_error") or group.get("reason") or default
+    return group.get("reason") or {
+        State.CANCELLED: f"cancelled {at} (`hpcdl cancel`, Ctrl-C or a signal), checkpointed",
+        State.STOPPED: f"stopped {at} at a checkpoint, not requeued",
+        State.COMPLETED: f"its processes ended {at} without the training saying finished",
+    }.get(state, f"{state} {at}: neither hpcdl nor the backend says more")
+
+
+def run_outcome(run: RunDir) -> dict[str, Any]:
+    """How a run that was watched to its end ended: its state, and each group that did not
+    finish with why -- what a foreground `hpcdl submit` or `resume` reports and exits by."""
+    status = collect(run)
+    return {"state": status["state"],
+            "not_finished": [{"group": g["group"], "state": g["state"], "why": g["why"]}
+                             for g in status["groups"] if g["state"] != State.FINISHED]}
+
+
+def _as_state(word: str) -> State:
+    return State._value2member_map_.get(str(word).lower(), State.UNKNOWN)
+
+
+def _same(state: State, scheduler: str | None) -> bool:
+    """Whether the backend's word says what hpcdl's does (COMPLETED for finished)."""
+    backend = _as_state(scheduler) if scheduler else None
+    return backend == state or (state == State.FINISHED and backend == State.COMPLETED)
 
 
 def _count(value) -> int:

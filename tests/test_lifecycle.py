@@ -9,7 +9,8 @@ import pytest
 
 from hpcdl.config import load_job
 from hpcdl.lifecycle import (
-    EXIT_LOCKED, EXIT_REQUEUE, EXIT_USER_ERROR, RESTART_BACKOFF_S, ApplierLife, GroupLife, restarts_after_failures,
+    EXIT_LOCKED, EXIT_REQUEUE, EXIT_USER_ERROR, RESTART_BACKOFF_S, ApplierLife, GroupLife, RestartTally,
+    begin_new_submission,
 )
 from hpcdl.runs import RunDir, State, create_run
 
@@ -144,7 +145,8 @@ def test_the_warning_signal_requeues_unless_cancelled(run, cancelled):
     life.poll()
     assert requeued == ([] if cancelled else ["checkpointed"])
     assert life.state == (State.CANCELLED if cancelled else State.REQUEUED)
-    assert run.planned_requeues_file(0).exists() != cancelled
+    tally = RestartTally.read(run.restarts_file(0))
+    assert tally.planned_requeues == (0 if cancelled else 1) and tally.crash_restarts == 0
 
 
 def test_a_crash_requeues_where_the_backend_can(run):
@@ -152,7 +154,8 @@ def test_a_crash_requeues_where_the_backend_can(run):
     life, _, started = life_of(run, [FakeProcs(codes=[1, 0])], requeue=requeued.append, max_restarts=1)
     life.poll()
     assert not life.poll() and requeued == ["crashed"] and life.state == State.REQUEUED
-    assert life.restarts == 1 and not run.planned_requeues_file(0).exists()
+    tally = RestartTally.read(run.restarts_file(0))
+    assert life.restarts == 1 and tally.crash_restarts == 1 and tally.planned_requeues == 0
 
 
 def test_ranks_that_do_not_stop_are_killed_after_the_grace(run):
@@ -167,13 +170,41 @@ def test_ranks_that_do_not_stop_are_killed_after_the_grace(run):
 
 
 def test_a_group_beyond_its_restarts_does_not_start(run):
-    life, _, started = life_of(run, [FakeProcs()], restarts=3, max_restarts=2)
+    RestartTally(crash_restarts=3, submission_crash_restarts=3).write(run.restarts_file(0))
+    life, _, started = life_of(run, [FakeProcs()], max_restarts=2)
     assert not life.poll() and started == [] and life.state == State.FAILED
     assert "more than run.max_restarts = 2" in life.reason
 
 
-def test_planned_requeues_are_not_failures():
-    assert restarts_after_failures(6, 5) == 1 and restarts_after_failures(2, 5) == 0
+def test_slurms_own_starts_are_crashes_unless_a_signal_stopped_the_group_first():
+    """SLURM's restart count, less the starts the life asked for: a preemption (a stop by a
+    signal not hpcdl's, then SLURM's requeue) is planned; anything else (a node failure) a crash."""
+    tally = RestartTally(planned_requeues=5, submission_planned_requeues=5)
+    tally.account_slurm_starts(6)
+    assert (tally.crash_restarts, tally.planned_requeues) == (1, 5)
+    tally.stopped_by_signal = True
+    tally.account_slurm_starts(7)
+    assert (tally.crash_restarts, tally.planned_requeues, tally.stopped_by_signal) == (1, 6, False)
+    tally.account_slurm_starts(7)  # the same start seen again: nothing new
+    assert (tally.crash_restarts, tally.planned_requeues) == (1, 6)
+
+
+def test_restarts_by_kind_outlive_a_resume_and_max_restarts_counts_again(run):
+    requeued = []
+    life, _, _ = life_of(run, [FakeProcs(codes=[1, 0])], requeue=requeued.append, max_restarts=1)
+    life.poll()
+    life.poll()
+    life, _, _ = life_of(run, [stopping_procs(run)], requeue=requeued.append, restart_count=1, max_restarts=1)
+    life.poll()
+    life.request_stop(requeue=True)  # the time limit's warning
+    life.poll()
+    assert requeued == ["crashed", "checkpointed"] and life.restarts == 1
+    begin_new_submission(run, 1)  # hpcdl resume
+    assert record(run)["state"] == "pending"
+    life, _, _ = life_of(run, [FakeProcs(codes=[1, 1])], requeue=requeued.append, restart_count=0, max_restarts=1)
+    life.poll()
+    assert not life.poll() and life.state == State.REQUEUED and life.restarts == 1  # allowed again
+    assert (record(run)["crash_restarts"], record(run)["planned_requeues"]) == (2, 1)
 
 
 def test_appliers_restart_only_the_crashed_shard_and_requeue_once(run):

@@ -324,7 +324,9 @@ class LocalScheduler(Scheduler):
                         watch(run, self.describe(run))
                     time.sleep(0.5)
                 except KeyboardInterrupt:
-                    pass  # the supervisor had the SIGINT too: it stops the run; wait for it
+                    # A Ctrl-C reached the supervisor too, but a SIGINT sent to this process alone
+                    # did not: pass it on (a second one is harmless), and wait for the stop.
+                    proc.send_signal(signal.SIGINT)
                 except RunError:
                     time.sleep(0.5)  # its record, torn or not yet written: the next round will do
         finally:

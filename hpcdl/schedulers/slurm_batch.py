@@ -20,7 +20,7 @@ from typing import Callable
 from hpcdl.config import Job
 from hpcdl.launch import expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.lifecycle import (
-    EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened, read_count, restarts_after_failures,
+    EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened,
 )
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.slurm import ranks_environment, srun_command
@@ -98,7 +98,6 @@ def run_group_step(run: RunDir, environ: dict[str, str]) -> int:
     element = f"{environ.get('SLURM_ARRAY_JOB_ID') or environ.get('SLURM_JOB_ID')}_{group}"
     life = GroupLife(run, group, job.run.max_restarts, SrunLaunch(run, job, group, sys.executable),
                      requeue=_requeue(element, f"group {group}"), restart_count=count,
-                     restarts=restarts_after_failures(count, read_count(run.planned_requeues_file(group))),
                      stop_grace_s=None, log=_log)
     _stop_on_signals(job, life.request_stop)
     while life.poll():

@@ -25,7 +25,7 @@ def test_one_group_of_two_ranks_trains_and_evaluates(hep_files, tmp_path):
     status = json.loads(hpcdl("status", "--runs-dir", str(runs), "--json", cwd=tmp_path).stdout)
     assert status["state"] == "finished"
     (group,) = status["groups"]
-    assert group["step"] == 40 and group["state"] == "finished" and group["restarts"] == 0
+    assert group["step"] == 40 and group["state"] == "finished" and group["crash_restarts"] == 0
     assert group["flops_per_s"] > 0 and status["totals"]["sustained_flops_per_s"] > 0
 
     scores = tmp_path / "scores.csv"

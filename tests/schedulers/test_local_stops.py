@@ -36,28 +36,52 @@ def assert_stopped_at_a_checkpoint(run_dir: Path):
         assert "KeyboardInterrupt" not in text and "Traceback" not in text, text[-3000:]
 
 
-def test_ctrl_c_on_a_foreground_run_checkpoints_at_the_stop(hep_files, tmp_path):
-    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the CLI's
-    supervisor and every rank."""
+def interrupt_a_foreground_submit(hep_files, tmp_path, interrupt, *options: str) -> tuple[int, str, Path]:
+    """Start `hpcdl submit` in the foreground (a session of its own, as a terminal would hold
+    it), let it train a few steps, `interrupt(pid)`, wait for it: its exit status, its stderr,
+    the run's directory."""
     runs = tmp_path / "runs"
     overrides = tiny_overrides(hep_files, runs, steps=100000) + ["train.checkpoint_every=1000"]
-    proc = subprocess.Popen([HPCDL, "submit", "hep", "--nodes", "2", "--json", *set_args(overrides)], cwd=tmp_path,
+    proc = subprocess.Popen([HPCDL, "submit", "hep", *options, *set_args(overrides)], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         metrics = lambda: [p for p in runs.glob("*/groups/0/metrics.jsonl")]  # noqa: E731
         wait_for(lambda: metrics() and len(read_jsonl(metrics()[0])) >= 2, 240, "training")
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=120)
+        interrupt(proc.pid)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    run_dir = metrics()[0].parent.parent.parent
-    assert proc.returncode == 1 and "Traceback" not in err, err  # the run did not finish
+    return proc.returncode, err, metrics()[0].parent.parent.parent
+
+
+def status_json(run_dir: Path) -> dict:
+    return json.loads(subprocess.run([HPCDL, "status", str(run_dir), "--json"], capture_output=True,
+                                     text=True, check=True).stdout)
+
+
+def test_ctrl_c_on_a_foreground_run_checkpoints_at_the_stop(hep_files, tmp_path):
+    """Ctrl-C in a terminal sends SIGINT to the whole foreground process group: the CLI's
+    supervisor and every rank."""
+    code, err, run_dir = interrupt_a_foreground_submit(hep_files, tmp_path, lambda pid: os.killpg(pid, signal.SIGINT),
+                                                       "--nodes", "2", "--json")
+    assert code == 1 and "Traceback" not in err, err  # the run did not finish
     assert_stopped_at_a_checkpoint(run_dir)
     assert checkpoints(run_dir)[-1] % 1000 != 0
-    status = json.loads(subprocess.run([HPCDL, "status", str(run_dir), "--json"], capture_output=True,
-                                       text=True, check=True).stdout)
+    status = status_json(run_dir)
     assert status["state"] == "cancelled" and status["groups"][0]["state"] == "cancelled"
+
+
+def test_sigint_to_the_submit_process_alone_cancels_the_run(hep_files, tmp_path):
+    """`kill -INT` of the foreground `hpcdl submit` (not its process group, so neither the
+    supervisor nor a rank has it): the run stops at a checkpoint as at Ctrl-C, and submit says
+    why and exits 1."""
+    code, err, run_dir = interrupt_a_foreground_submit(hep_files, tmp_path, lambda pid: os.kill(pid, signal.SIGINT))
+    assert code == 1 and "Traceback" not in err, err
+    assert "the run did not finish: cancelled" in err and "group 0 cancelled: cancelled at step" in err, err
+    assert_stopped_at_a_checkpoint(run_dir)
+    status = status_json(run_dir)
+    assert status["state"] == "cancelled" and not status["underway"]
 
 
 def test_sigterm_to_the_ranks_checkpoints_at_the_stop(hep_files, tmp_path):

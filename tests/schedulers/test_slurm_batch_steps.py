@@ -17,6 +17,7 @@ import pytest
 
 from hpcdl.errors import JobError
 from hpcdl.config import load_job
+from hpcdl.lifecycle import RestartTally
 from hpcdl.runs import RunDir, create_run
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import SlurmScheduler
@@ -194,14 +195,15 @@ def test_cancel_leaves_the_mark_before_scancel(monkeypatch, tmp_path):
 def test_the_groups_own_requeues_at_the_signal_are_not_bounded(tmp_path):
     """A long run requeues itself at every time limit: run.max_restarts bounds failures only."""
     run, scripts, env = render(tmp_path, "run.max_restarts=2")
-    run.planned_requeues_file(0).write_text("5\n")
+    RestartTally(planned_requeues=5, submission_planned_requeues=5).write(run.restarts_file(0))
     proc = start(scripts["group"], env, SLURM_RESTART_COUNT="6")  # 5 planned, 1 after a failure
     wait_for(run.group_dir(0) / "ranks-started")
     proc.send_signal(signal.SIGUSR1)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0 and scontrol_calls(run) == ["requeue 41_0"], out
-    assert run.planned_requeues_file(0).read_text().strip() == "6"
+    assert RestartTally.read(run.restarts_file(0)).planned_requeues == 6
     assert life(run)["restarts"] == 1 and life(run)["restart_count"] == 6
+    assert (life(run)["crash_restarts"], life(run)["planned_requeues"]) == (1, 6)
 
 
 def test_a_crash_requeues_the_element_while_restarts_remain(tmp_path):
@@ -211,7 +213,7 @@ def test_a_crash_requeues_the_element_while_restarts_remain(tmp_path):
     out, _ = start(scripts["group"], env, CRASH="1", SLURM_RESTART_COUNT="1").communicate(timeout=60)
     assert scontrol_calls(run) == ["requeue 41_0"], out
     assert life(run)["restarts"] == 2 and "restart 2 of 2" in life(run)["reason"]
-    assert not run.planned_requeues_file(0).exists()  # a failure, not a planned requeue
+    assert RestartTally.read(run.restarts_file(0)).planned_requeues == 0  # a failure, not a planned requeue
     out, _ = (proc := start(scripts["group"], env, CRASH="1", SLURM_RESTART_COUNT="2")).communicate(timeout=60)
     assert proc.returncode == 1 and scontrol_calls(run) == ["requeue 41_0"], out  # no more
     assert life(run)["state"] == "failed" and "run.max_restarts = 2 allows no more" in life(run)["reason"]
@@ -219,7 +221,7 @@ def test_a_crash_requeues_the_element_while_restarts_remain(tmp_path):
 
 
 def test_an_element_requeued_beyond_run_max_restarts_does_not_run(tmp_path):
-    """SLURM itself requeues after a node failure or preemption (--requeue): bounded too."""
+    """SLURM itself requeues after a node failure (--requeue): a crash restart, bounded too."""
     run, scripts, env = render(tmp_path, "run.max_restarts=2")
     proc = start(scripts["group"], env, SLURM_RESTART_COUNT="3")
     out, _ = proc.communicate(timeout=60)

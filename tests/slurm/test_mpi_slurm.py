@@ -42,12 +42,12 @@ def test_an_mpi_group_checkpoints_and_requeues_at_the_signal(slurm_cluster, mpi_
     sub = submit(hep_files, tmp_path, 1_000_000, *MPI, "slurm.time=1", "slurm.signal_seconds=58",
                  "exchange.enabled=off", nodes=2, group_size=2)
     run_dir = Path(sub["run_dir"])
-    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["restarts"] >= 1 and s["groups"][0]["step"] > 0,
+    done = wait_status(run_dir, tmp_path, lambda s: s["groups"][0]["planned_requeues"] >= 1 and s["groups"][0]["step"] > 0,
                        timeout=300, what="a requeue after the signal")
     assert "checkpointed; requeueing" in element_logs(run_dir, 0)
     assert list((run_dir / "checkpoints/0").glob("ckpt-*.index"))
     hpcdl("cancel", str(run_dir), cwd=tmp_path)
-    assert done["groups"][0]["restarts"] >= 1
+    assert done["groups"][0]["planned_requeues"] >= 1 and done["groups"][0]["crash_restarts"] == 0
 
 
 def test_an_srun_mpi_plugin_the_cluster_lacks_is_refused(slurm_cluster, mpi_horovod, hep_files, tmp_path):
