@@ -100,7 +100,8 @@ def test_submit_and_its_dry_run_refuse_non_finite_data_in_one_line_and_write_not
     for dry in (["--dry-run"], []):
         proc = subprocess.run([HPCDL, "submit", str(keras_job), *dry, *sum((["--set", a] for a in args), [])],
                               capture_output=True, text=True, cwd=tmp_path,
-                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                                   "MPLCONFIGDIR": os.path.expanduser("~/.cache/matplotlib")})
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and "holds nan at example 700" in lines[0]

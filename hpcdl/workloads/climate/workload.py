@@ -62,6 +62,9 @@ class ClimateWorkload(Workload):
             if val_hw != train_hw:
                 raise JobError(f"data.val: its images give {val_hw}, data.train's {train_hw}")
 
+    def finite_datasets(self, data_config) -> list[str]:
+        return ["images", "boxes"]
+
     def compute_stats(self, job) -> dict[str, Any]:
         prep = cdata.Preprocess.from_config(job.data)
         return cdata.compute_stats(job.data.train, prep, job.data.stats_images).to_dict()

@@ -48,6 +48,13 @@ class HepWorkload(Workload):
                 raise JobError(f"data.val: images are {tuple(val.image_shape)}, data.train's "
                                f"{tuple(hep.image_shape)}")
 
+    def finite_datasets(self, data_config) -> list[str]:
+        """What the reader reads, in either layout (a file's truth-level extras may hold Inf)."""
+        from hpcdl.workloads.hep.layout import CHANNELS, NERSC_GROUP
+
+        nersc = [f"{NERSC_GROUP}/{name}" for name in (*CHANNELS, "y", "weight")]
+        return nersc + ["data", "label", "weight", "normweight"]
+
     def compute_stats(self, job) -> dict[str, Any]:
         return Normalization.from_file(job.data.train, chunk=job.data.chunk_events).to_dict()
 
