@@ -33,6 +33,8 @@ class TfTrainer:
     """The job's model, optimizer and train step, shared by the groups (see the module)."""
 
     def __init__(self, workload, job, input_shape: tuple[int, ...], seed: int):
+        import tensorflow as tf
+
         from hpcdl.engine.optim import make_optimizer
         from hpcdl.engine.step import make_train_step
 
@@ -44,11 +46,16 @@ class TfTrainer:
         self.optimizer_variables = list(self.optimizer.variables)
         self.train_step = make_train_step(lambda batch: workload.loss(self.model, batch, training=True),
                                           self.variables, self.optimizer)
-        self.initial_state = Replica(self._read_weights(), [v.numpy() for v in self.optimizer_variables])
+        state = self.variables + self.optimizer_variables
+        # one traced call each way, not one eager op per variable: a swap then costs little beside a step
+        self._load = tf.function(lambda values: [v.assign(x) for v, x in zip(state, values)] and None)
+        self._read = tf.function(lambda: [tf.identity(v) for v in state])
+        self.initial_state = self._replica(self._read())
         self.loaded: Replica | None = None  # whose state the variables hold now
 
-    def _read_weights(self) -> Arrays:
-        return {n: v.numpy() for n, v in zip(self.names, self.variables)}
+    def _replica(self, values) -> Replica:
+        values = [v.numpy() for v in values]
+        return Replica(dict(zip(self.names, values)), values[len(self.names):])
 
     def initial(self) -> Replica:
         s = self.initial_state
@@ -57,16 +64,13 @@ class TfTrainer:
     def step(self, replica: Replica, batch) -> Arrays | None:
         """One step of the group's optimizer on `replica`; its gradient, or None if not finite."""
         if self.loaded is not replica:
-            for v, w in zip(self.variables, replica.weights.values()):
-                v.assign(w)
-            for v, o in zip(self.optimizer_variables, replica.optimizer):
-                v.assign(o)
+            self._load([*replica.weights.values(), *replica.optimizer])
             self.loaded = replica
         _loss, grads, finite, _own = self.train_step(batch)
         if not bool(np.all(finite.numpy())):
             return None
-        replica.weights = self._read_weights()
-        replica.optimizer = [v.numpy() for v in self.optimizer_variables]
+        fresh = self._replica(self._read())
+        replica.weights, replica.optimizer = fresh.weights, fresh.optimizer
         return {n: g.numpy() for n, g in zip(self.names, grads)}
 
     def weights(self, replica: Replica) -> Arrays:
