@@ -54,8 +54,11 @@ class Race:
     """The data, workload and scorer shared by every run of one invocation."""
 
     def __init__(self, args):
+        import tensorflow as tf
+
         from hpcdl.workloads import get_workload
 
+        tf.get_logger().setLevel("ERROR")  # validate's per-call scorer retraces: known, not news
         self.args = args
         self.files = generated(args.work, args.events)
         self.workload = get_workload("hep")
