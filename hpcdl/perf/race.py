@@ -45,7 +45,7 @@ from hpcdl.emulate import step_factor
 from hpcdl.perf.inputs import PlanInputs
 from hpcdl.perf.model import allreduce_seconds, tree_collective_seconds
 
-Arrays = dict[str, np.ndarray]
+Arrays = dict[str, np.ndarray]  # tensors by name
 _APPLIER, _GROUP, _SCORE = 0, 1, 2  # same-time events: the applier's answers first, scores last
 
 
@@ -111,7 +111,6 @@ class _Group:
 @dataclass
 class RaceResult:
     """A race's scores and the exchange's figures."""
-
     curve: list = field(default_factory=list)  # (emulated s, samples trained, master version, score)
     stopped: str = ""
     group_steps: list = field(default_factory=list)
