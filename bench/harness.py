@@ -31,6 +31,7 @@ HPCDL = str(Path(sys.executable).with_name("hpcdl"))
 SUITES = {
     "bench": "run",  # `make bench`'s table
     "race": "hybrid_race",
+    "emulated-race": "emulated_race",
     "coldstart": "coldstart",
     "exchange-load": "exchange_load",
     "precision": "precision_parity",
@@ -280,6 +281,19 @@ def publish(path: Path, data: bytes) -> Path:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(path, data)
+
+
+def publish_png(path: Path, fig) -> Path:
+    """Publish a matplotlib figure as a PNG (laid out tight) and close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return publish(path, buf.getvalue())
 
 
 def write_result(path: Path, doc: Any) -> Path:

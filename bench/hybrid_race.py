@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import HPCDL, Probe, log, machine, publish, result_path, write_result
+from bench.harness import HPCDL, Probe, log, machine, publish_png, result_path, write_result
 from hpcdl.runs import RunDir
 
 SUITE = "race"
@@ -547,8 +547,6 @@ def markdown(summary: dict) -> str:
 
 def picture(path: Path, sc: str, s: dict, results: list[Result], budget: float) -> Path:
     """AUC against time per configuration: median over the race seeds, their range as a band."""
-    import io
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -584,11 +582,7 @@ def picture(path: Path, sc: str, s: dict, results: list[Result], budget: float) 
     ax.set_ylabel("validation AUC")
     ax.set_title(f"({sc}) {s['scenario']}: median of {len(s['seeds'])} seeds, band = range", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png")
-    plt.close(fig)
-    return publish(path, buf.getvalue())
+    return publish_png(path, fig)
 
 
 def main(argv=None) -> int:

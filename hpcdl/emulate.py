@@ -25,6 +25,19 @@ import numpy as np
 from hpcdl.config import EmulateConfig
 
 
+def step_factor(config: EmulateConfig, shard: int, step: int) -> float:
+    """How many times `step_seconds` the rank of data shard `shard` takes for its `step`: the
+    draw of a real emulated run and of the emulated race (hpcdl.perf.race) alike."""
+    c = config
+    rng = np.random.default_rng([c.seed, shard, step])
+    x = rng.lognormal(mean=-c.sigma ** 2 / 2, sigma=c.sigma) if c.sigma else 1.0
+    if rng.random() < c.stall_probability:
+        x *= c.stall_factor
+    if shard == c.slow_shard:
+        x *= c.slow_factor
+    return float(x)
+
+
 class Emulator:
     """The pace of one rank (its data shard), and its planned failure."""
 
@@ -36,14 +49,7 @@ class Emulator:
 
     def factor(self, step: int) -> float:
         """How many times `step_seconds` this rank's `step` takes."""
-        c = self.config
-        rng = np.random.default_rng([c.seed, self.shard, step])
-        x = rng.lognormal(mean=-c.sigma ** 2 / 2, sigma=c.sigma) if c.sigma else 1.0
-        if rng.random() < c.stall_probability:
-            x *= c.stall_factor
-        if self.shard == c.slow_shard:
-            x *= c.slow_factor
-        return float(x)
+        return step_factor(self.config, self.shard, step)
 
     def pace(self, step: int, step_started: float) -> float:
         """Sleep until the step has lasted its emulated time (perf_counter clock), which is

@@ -1,0 +1,148 @@
+"""The emulated race (hpcdl.perf.race): its clock and exchange on a numpy toy trainer, its real
+steps on a tiny HEP network."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from hpcdl.config import EmulateConfig, load_job
+from hpcdl.perf.race import EmulatedRace, RaceClock
+
+
+def toy_job(nodes: int, groups: int, *sets: str):
+    return load_job("hep", [f"run.nodes={nodes}", f"run.group_size={nodes // groups}",
+                            "train.batch_per_rank=4", "exchange.warmup_steps=0", *sets])
+
+
+class ToyTrainer:
+    """w ← w − 0.1·g with g = w − 1 + a little noise from the batch: learns, deterministically."""
+
+    def initial(self):
+        return {"w": np.zeros(3, np.float32)}
+
+    def step(self, replica, batch):
+        g = replica["w"] - 1.0 + np.float32(0.01) * np.sin(batch + np.arange(3, dtype=np.float32))
+        replica["w"] = replica["w"] - np.float32(0.1) * g
+        return {"w": g.astype(np.float32)}
+
+    def weights(self, replica):
+        return {"w": replica["w"].copy()}
+
+    def adopt(self, replica, weights):
+        replica["w"] = weights["w"].copy()
+
+
+def toy_race(job, clock=RaceClock(step_seconds=1.0), horizon=40.0):
+    batches = [itertools.count(100 * g) for g in range(job.run.groups)]
+    race = EmulatedRace(job, ToyTrainer(), batches, clock, score=lambda w: -float(np.abs(w["w"] - 1).sum()),
+                        score_every=5.0, horizon=horizon)
+    return race.run()
+
+
+def test_a_slow_node_delays_its_group_only():
+    job = toy_job(4, 2, "exchange.max_outstanding=0")
+    quiet = toy_race(job)
+    slow = toy_race(job, RaceClock(1.0, EmulateConfig(slow_shard=1, slow_factor=3.0)))
+    assert quiet.group_steps == [40, 40]
+    assert slow.group_steps == [13, 40]  # shard 1 is rank 1 of group 0
+
+
+def test_with_stalls_the_hybrid_trains_more_samples_than_sync_in_the_same_time():
+    stalls = RaceClock(1.0, EmulateConfig(stall_probability=0.05, stall_factor=10.0, seed=3))
+    hybrid_job = toy_job(8, 8, "exchange.max_outstanding=0")
+    sync, hybrid = toy_race(toy_job(8, 1), stalls, 200.0), toy_race(hybrid_job, stalls, 200.0)
+    quiet_sync = toy_race(toy_job(8, 1), horizon=200.0)
+    # a step of 8 ranks stalls with probability 1 − 0.95⁸ = 0.34 (E 4.1 s), one rank's 0.05 (E 1.45 s)
+    assert sync.curve[-1][1] < 0.4 * quiet_sync.curve[-1][1]
+    assert hybrid.curve[-1][1] > 2 * sync.curve[-1][1]
+    assert quiet_sync.curve[-1][1] == toy_race(hybrid_job, horizon=200.0).curve[-1][1]
+
+
+def test_the_staleness_bound_is_honoured():
+    applier = RaceClock(1.0, applier_seconds=0.3)  # a slow applier: 8 groups outrun it
+    dropped = toy_race(toy_job(8, 8, "exchange.max_outstanding=0", "exchange.max_staleness=2"), applier)
+    st = np.array(dropped.staleness)
+    assert st.max() > 2 and dropped.counters["dropped_stale"] == int((st > 2).sum())
+    assert dropped.counters["applied"] == int((st <= 2).sum())
+    down = toy_race(toy_job(8, 8, "exchange.max_outstanding=0", "exchange.max_staleness=2",
+                            'exchange.stale_policy="downweight"'), applier)
+    assert down.counters["dropped_stale"] == 0 and down.counters["downweighted"] == int((np.array(down.staleness) > 2).sum())
+
+
+def test_waiting_for_each_answer_on_equal_steps_gives_the_papers_staleness():
+    res = toy_race(toy_job(8, 4, "exchange.max_outstanding=1"), RaceClock(1.0, applier_seconds=0.01))
+    assert res.counters["applied"] > 20 and max(res.staleness) == 3  # G − 1
+    assert res.group_steps == [39] * 4 and all(w > 0 for w in res.wait_seconds)  # they wait for answers
+
+
+def test_the_toy_race_is_deterministic_and_learns():
+    job = toy_job(8, 4, "exchange.max_outstanding=2")
+    clock = RaceClock(1.0, EmulateConfig(sigma=0.3, stall_probability=0.1, seed=5), applier_seconds=0.05)
+    a, b = toy_race(job, clock), toy_race(job, clock)
+    assert a.curve == b.curve and a.staleness == b.staleness
+    assert a.curve[-1][3] > a.curve[0][3]
+
+
+# -- real steps: a tiny HEP network -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(hep_files):
+    from hpcdl.workloads import get_workload
+
+    files = hep_files
+    job = load_job("hep", [f'data.train="{files["train"]}"', f'data.val="{files["test"]}"',
+                           f'data.test="{files["test"]}"', "train.batch_per_rank=8", "model.filters=4",
+                           "model.conv_layers=2", "model.dropout=0.0", "data.chunk_events=256",
+                           "data.prefetch=0", "exchange.warmup_steps=3"])
+    workload = get_workload("hep")
+    return workload, job, workload.compute_stats(job)
+
+
+def sized(job, nodes: int, groups: int):
+    run = dataclasses.replace(job.run, nodes=nodes, group_size=nodes // groups)
+    return dataclasses.replace(job, run=run)
+
+
+def tf_race(tiny, nodes, groups, horizon=3.0):
+    from hpcdl.perf.race_worker import emulated_race
+
+    workload, job, stats = tiny
+    clock = RaceClock(0.5, EmulateConfig(sigma=0.3, seed=2))
+    score = lambda w: float(sum(float(np.abs(v).sum()) for v in w.values()))  # cheap, exact
+    return emulated_race(workload, sized(job, nodes, groups), stats, clock, score=score,
+                         score_every=1.0, horizon=horizon)
+
+
+def test_a_real_race_is_deterministic(tiny):
+    a, b = tf_race(tiny, 4, 2), tf_race(tiny, 4, 2)
+    assert a.counters["applied"] > 0 and a.curve == b.curve
+    assert all(np.array_equal(a.weights[n], b.weights[n]) for n in a.weights)
+
+
+def test_one_group_is_plain_synchronous_sgd_on_the_group_batch(tiny):
+    from hpcdl.engine.optim import make_optimizer
+    from hpcdl.engine.step import make_train_step
+    from hpcdl.perf.race_worker import group_batches
+
+    workload, job, stats = tiny
+    res = tf_race(tiny, 4, 1, horizon=3.0)
+    steps = res.group_steps[0]
+    assert steps >= 3 and res.counters["applied"] == 0
+    job4 = sized(job, 4, 1)
+    model = workload.build_model(job4.model, workload.input_shape(job4), seed=job4.train.seed)
+    variables = [v for _, v in model.named_variables()]
+    step = make_train_step(lambda b: workload.loss(model, b, training=True), variables,
+                           make_optimizer(job4.train.optimizer, variables, job4.train.learning_rate))
+    (batches,) = group_batches(workload, job4, stats, seed=job4.train.seed)
+    try:
+        for _ in range(steps):
+            step(next(batches))
+    finally:
+        batches.close()
+    for name, var in model.named_variables():
+        np.testing.assert_array_equal(res.weights[name], var.numpy())
