@@ -413,3 +413,30 @@ def test_scancel_signal_term_of_one_element_leaves_the_run_cancelled(slurm_clust
     assert "signalled to stop" in stopped["reason"] and "scancel --signal=TERM" in stopped["why"], stopped
     assert done["groups"][0]["state"] == "finished"
     assert "requeueing" not in element_log(run_dir, 1)
+
+
+def test_a_preempted_applier_job_is_requeued_and_the_ledger_stays_exact(slurm_cluster, hep_files, tmp_path):
+    """The urgent job takes the applier's node: the appliers' job has no steps, so SLURM signals
+    its batch step only at the end of GraceTime (SIGTERM); the appliers commit, SLURM kills and
+    requeues the job, and they go on from their durable state. The groups never stop."""
+    from tests.test_hybrid import applied_exactly_once
+
+    sub = submit(hep_files, tmp_path, 300, "exchange.max_staleness=1000", 'slurm.extra_sbatch=["--exclusive"]',
+                 "emulate.enabled=true", "emulate.step_seconds=0.15", nodes=2, group_size=1)
+    run_dir, array, applier = Path(sub["run_dir"]), sub["slurm_array_job_id"], sub["slurm_applier_job_id"]
+    wait_status(run_dir, tmp_path, lambda s: (s["applier"] or {}).get("applied"), what="the applier applying")
+    node = _node_of(applier)
+    assert node and node not in (_node_of(f"{array}_0"), _node_of(f"{array}_1"))
+    urgent = slurm("sbatch", "--parsable", "-p", "urgent", "-w", node, f"--output={tmp_path}/urgent.out",
+                   "--wrap", "sleep 5")
+    assert urgent.returncode == 0, urgent.stderr
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished", timeout=300, what="the end")
+    deadline = time.monotonic() + 120
+    while not queue_empty([array, applier]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([array, applier])
+    log = "\n".join(p.read_text() for p in run_dir.glob("applier-*.out"))
+    assert "DUE TO PREEMPTION" in log and "SIGTERM: the appliers commit and stop" in log, log[-3000:]
+    assert [(g["planned_requeues"], g["crash_restarts"]) for g in done["groups"]] == [(0, 0), (0, 0)]
+    status_ = applied_exactly_once(run_dir)
+    assert set(status_["last_seq"]) == {"0", "1"}
