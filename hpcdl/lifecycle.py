@@ -219,6 +219,9 @@ class GroupLife:
     start: Callable[[], Processes]
     requeue: Callable[[str], None] | None = None
     restart_count: int | None = None  # SLURM's own count of this element's starts after the first
+    # Whether the scheduler chose the group for preemption (SLURM: the job's PreemptTime). Its
+    # ranks were then signalled, not its batch step: the group requeues itself, a planned requeue.
+    preempted: Callable[[], bool] = lambda: False
     stop_grace_s: float | None = STOP_GRACE_S  # then the ranks are killed; None: wait (SLURM's limit ends it)
     log: Callable[[str], None] = lambda text: None
     clock: Callable[[], float] = time.monotonic
@@ -229,6 +232,7 @@ class GroupLife:
     next_start: float = 0.0
     stop_asked_at: float | None = None
     requeue_on_stop: bool = False
+    stopped_by: str = ""  # the signal that asked for a stop for good, when it was not hpcdl's own
     exit_code: int = EXIT_OK
     tally: RestartTally = field(init=False)
 
@@ -255,13 +259,15 @@ class GroupLife:
     def ended(self) -> bool:
         return self.state not in (State.PENDING, State.RUNNING)
 
-    def request_stop(self, requeue: bool = False) -> None:
+    def request_stop(self, requeue: bool = False, by: str = "") -> None:
         """Checkpoint and stop; with ``requeue`` (the time limit's warning) go on afterwards,
-        unless `hpcdl cancel` left its mark. A group not started yet does not start."""
+        unless `hpcdl cancel` left its mark. ``by`` names the signal that asked, for the reason
+        of a stop that was not hpcdl's. A group not started yet does not start."""
         if self.ended:
             return
         self.requeue_on_stop = self.requeue_on_stop or requeue
         if not requeue and not self.run.cancel_mark.exists():
+            self.stopped_by = self.stopped_by or by
             self.tally.stopped_by_signal = True  # a preemption, should SLURM run the element again
             self.tally.write(self.run.restarts_file(self.group))
         if self.procs is None:
@@ -317,16 +323,20 @@ class GroupLife:
         if all(c == 0 for c in codes):
             if not checkpointed and (self.stop_asked_at is None or self._reports_finished()):
                 self._end(State.FINISHED, EXIT_OK, "")
-            elif self.requeue is not None and self.requeue_on_stop and not cancelled:
+            elif self.requeue is not None and not cancelled and (self.requeue_on_stop or self.preempted()):
+                # The warning signal, or a preemption: SLURM signals a preempted job's steps (not
+                # its batch step) and, should the job end within GraceTime, does not requeue it.
+                why = "checkpointed" if self.requeue_on_stop else "was preempted (SLURM), checkpointed"
                 self.tally.count_planned_requeue()
                 self.tally.write(self.run.restarts_file(self.group))
-                self._end(State.REQUEUED, EXIT_OK, "")
-                self.requeue("checkpointed")
+                self._end(State.REQUEUED, EXIT_OK, "" if self.requeue_on_stop else
+                          f"group {self.group} was preempted by SLURM: checkpointed and requeued")
+                self.requeue(why)
             else:
                 # Stopped at a checkpoint: by a cancel, a signal to the ranks, or Ctrl-C.
                 if self.requeue is not None and self.requeue_on_stop:
                     self.log(f"group {self.group} checkpointed; the run was cancelled, not requeueing")
-                self._end(State.CANCELLED, EXIT_OK, "")
+                self._end(State.CANCELLED, EXIT_OK, self._stopped_reason(cancelled))
             return
         failed = [c for c in codes if c not in (0, None)]
         code = failed[0] if failed else EXIT_FAILED
@@ -351,6 +361,19 @@ class GroupLife:
             else:
                 self.state = State.PENDING
                 self.next_start = self.clock() + RESTART_BACKOFF_S[min(self.restarts - 1, len(RESTART_BACKOFF_S) - 1)]
+
+    def _stopped_reason(self, cancelled: bool) -> str:
+        """Why a group stopped for good at a checkpoint, when it was not `hpcdl cancel` or the
+        backend's own stop (those need no reason: the default words say it)."""
+        if cancelled:
+            return ""
+        if self.stop_asked_at is None:
+            return (f"group {self.group}'s ranks were signalled to stop (a SIGTERM or SIGINT to them, not "
+                    "`hpcdl cancel`: e.g. `scancel --signal=TERM` of its element); checkpointed, not requeued")
+        if self.stopped_by:
+            return (f"group {self.group} was stopped by {self.stopped_by} (not `hpcdl cancel`, not a preemption: "
+                    "e.g. `scancel` of its element); checkpointed, not requeued")
+        return ""
 
     def _end(self, state: State, code: int, reason: str) -> None:
         self.state, self.exit_code, self.reason = state, code, reason
@@ -457,8 +480,12 @@ class ApplierLife:
                 life.procs = self.start(life.shard)
         return self.running
 
-    def request_stop(self, requeue: bool = False) -> None:
+    def request_stop(self, requeue: bool = False, by: str = "") -> None:
+        """Every shard commits and exits; with ``requeue`` (the warning signal) the job goes on.
+        ``by`` names a signal that stops for good (SLURM requeues a preempted job itself)."""
         self.requeue_on_stop = self.requeue_on_stop or requeue
+        if by and self.stop_asked_at is None:
+            self.log(f"{by}: the appliers commit and stop")
         if self.stop_asked_at is None:
             self.stop_asked_at = self.clock()
             for life in self.lives:

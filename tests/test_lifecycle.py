@@ -149,6 +149,32 @@ def test_the_warning_signal_requeues_unless_cancelled(run, cancelled):
     assert tally.planned_requeues == (0 if cancelled else 1) and tally.crash_restarts == 0
 
 
+@pytest.mark.parametrize("preempted", [False, True])
+def test_ranks_stopped_by_a_signal_requeue_only_when_preempted(run, preempted):
+    requeued = []
+    life, _, _ = life_of(run, [FakeProcs()], requeue=requeued.append, preempted=lambda: preempted)
+    life.poll()
+    run.requeue_mark(0).touch()
+    life.procs.end(0, 0)
+    assert not life.poll()
+    tally = RestartTally.read(run.restarts_file(0))
+    if preempted:  # a planned requeue: SLURM does not requeue a job that ends within GraceTime
+        assert requeued == ["was preempted (SLURM), checkpointed"] and life.state == State.REQUEUED
+        assert tally.planned_requeues == 1 and tally.crash_restarts == 0 and "preempted" in record(run)["reason"]
+    else:  # a user's signal: stopped for good, and says so
+        assert requeued == [] and life.state == State.CANCELLED and tally.planned_requeues == 0
+        assert "signalled to stop" in record(run)["reason"]
+
+
+def test_a_stop_by_a_signal_that_is_not_hpcdls_says_which(run):
+    life, _, _ = life_of(run, [stopping_procs(run)], requeue=lambda why: None)
+    life.poll()
+    life.request_stop(by="SIGTERM")
+    life.poll()
+    assert life.state == State.CANCELLED and "stopped by SIGTERM" in record(run)["reason"]
+    assert RestartTally.read(run.restarts_file(0)).stopped_by_signal  # should SLURM run it again
+
+
 def test_a_crash_requeues_where_the_backend_can(run):
     requeued = []
     life, _, started = life_of(run, [FakeProcs(codes=[1, 0])], requeue=requeued.append, max_restarts=1)

@@ -258,6 +258,16 @@ def parse_scontrol_config(text: str) -> dict[str, Any]:
     return facts
 
 
+def parse_preempt_time(text: str) -> str | None:
+    """`scontrol show job -o ID` -> its PreemptTime, set once SLURM chose the job for preemption
+    (it still runs for the partition's GraceTime); None before (SLURM prints "None")."""
+    for word in text.split():
+        key, sep, value = word.partition("=")
+        if sep and key == "PreemptTime":
+            return None if value in ("None", "Unknown", "") else value
+    return None
+
+
 SQUEUE_FORMAT = "%i|%T|%N|%M|%r"
 
 

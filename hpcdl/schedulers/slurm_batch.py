@@ -23,7 +23,7 @@ from hpcdl.lifecycle import (
     EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened,
 )
 from hpcdl.runs import RunDir
-from hpcdl.schedulers.slurm import ranks_environment, srun_command
+from hpcdl.schedulers.slurm import parse_preempt_time, ranks_environment, srun_command
 
 
 def _environ(job: Job) -> dict[str, str]:
@@ -71,13 +71,28 @@ def _requeue(job_id: str, what: str) -> Callable[[str], None]:
     return requeue
 
 
+def _preempted(job_id: str) -> Callable[[], bool]:
+    """Whether SLURM chose this job for preemption: it sets the job's PreemptTime then, signals
+    the job's steps (SIGTERM) and, GraceTime later, its batch step, before it kills and requeues
+    the job. A job that ends within GraceTime is not requeued by SLURM: the group requeues itself."""
+    def preempted() -> bool:
+        try:
+            done = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
+                                  timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return done.returncode == 0 and parse_preempt_time(done.stdout) is not None
+
+    return preempted
+
+
 def _stop_on_signals(job: Job, request_stop: Callable[..., None]) -> None:
     """The time limit's warning (slurm.signal) stops to go on; a plain SIGTERM or SIGINT (scancel,
-    a preemption that requeues by itself) stops for good."""
+    the end of a preemption's GraceTime) stops for good (SLURM requeues a preempted job itself)."""
     warning = getattr(signal, f"SIG{job.slurm.signal}")
     for other in (signal.SIGTERM, signal.SIGINT):
         if other != warning:
-            signal.signal(other, lambda *_: request_stop())
+            signal.signal(other, lambda signum, _: request_stop(by=signal.Signals(signum).name))
     signal.signal(warning, lambda *_: request_stop(requeue=True))
 
 
@@ -98,7 +113,7 @@ def run_group_step(run: RunDir, environ: dict[str, str]) -> int:
     element = f"{environ.get('SLURM_ARRAY_JOB_ID') or environ.get('SLURM_JOB_ID')}_{group}"
     life = GroupLife(run, group, job.run.max_restarts, SrunLaunch(run, job, group, sys.executable),
                      requeue=_requeue(element, f"group {group}"), restart_count=count,
-                     stop_grace_s=None, log=_log)
+                     preempted=_preempted(environ.get("SLURM_JOB_ID", element)), stop_grace_s=None, log=_log)
     _stop_on_signals(job, life.request_stop)
     while life.poll():
         time.sleep(0.5)

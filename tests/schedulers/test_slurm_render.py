@@ -12,7 +12,8 @@ from hpcdl.config import load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (
-    SlurmScheduler, map_state, parse_mpi_list, parse_sacct, parse_scontrol_config, parse_squeue, ranks_environment,
+    SlurmScheduler, map_state, parse_mpi_list, parse_preempt_time, parse_sacct, parse_scontrol_config, parse_squeue,
+    ranks_environment,
     render_group_script, sbatch_commands, srun_command,
 )
 
@@ -143,6 +144,20 @@ def test_parse_sacct_with_array_ranges():
     assert jobs["41_0"]["state"] == "completed" and jobs["41_0"]["elapsed"] == "00:00:35"
     assert jobs["41_1"]["state"] == "cancelled"
     assert jobs["42_2"]["state"] == jobs["42_3"]["state"] == "pending"
+
+
+# `scontrol show job -o 3` (Slurm 22.05, tests/slurm/cluster.sh) during a preemption's GraceTime,
+# shortened: the job still runs, its EndTime moved to PreemptTime + GraceTime.
+SHOW_JOB_PREEMPTED = ("JobId=3 JobName=low2.sh UserId=root(0) JobState=RUNNING Reason=None Dependency=(null) "
+                      "Requeue=1 Restarts=0 BatchFlag=1 Reboot=0 ExitCode=0:0 StartTime=2026-12-04T17:44:33 "
+                      "EndTime=2026-12-04T17:45:06 Deadline=N/A PreemptEligibleTime=2026-12-04T17:44:33 "
+                      "PreemptTime=2026-12-04T17:44:36 SuspendTime=None SecsPreSuspend=0 Partition=debug\n")
+
+
+def test_parse_preempt_time():
+    assert parse_preempt_time(SHOW_JOB_PREEMPTED) == "2026-12-04T17:44:36"
+    assert parse_preempt_time(SHOW_JOB_PREEMPTED.replace("PreemptTime=2026-12-04T17:44:36", "PreemptTime=None")) is None
+    assert parse_preempt_time("") is None
 
 
 def test_parse_scontrol_config():

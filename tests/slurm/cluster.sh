@@ -261,7 +261,15 @@ EOF
         echo "NodeName=$n NodeHostname=localhost NodeAddr=127.0.0.1 Port=$((BASE + 1001 + i)) CPUs=$CPUS_PER_NODE RealMemory=2000 State=UNKNOWN" >>"$SLURM_CONF_FILE"
     done
     local all; all=$(IFS=,; echo "${NODES[*]}")
-    echo "PartitionName=debug Nodes=$all Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO" >>"$SLURM_CONF_FILE"
+    # Preemption as many sites run it: a job of the higher-tier partition "urgent" (same nodes)
+    # preempts jobs of "debug": SLURM sends them SIGCONT and SIGTERM, waits GraceTime, kills what
+    # is left and requeues the job itself (tests/slurm/test_hpcdl_slurm.py -k preempt).
+    cat >>"$SLURM_CONF_FILE" <<EOF
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+PartitionName=debug Nodes=$all Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=1 GraceTime=30
+PartitionName=urgent Nodes=$all Default=NO MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=2 PreemptMode=OFF
+EOF
 
     if [ "$proctrack" = proctrack/cgroup ]; then
         cat >"$ETC/cgroup.conf" <<EOF

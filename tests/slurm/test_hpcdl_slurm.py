@@ -349,3 +349,94 @@ def _metrics(run_dir: Path, group: int) -> list[dict]:
     from hpcdl.files import read_jsonl
 
     return read_jsonl(run_dir / "groups" / str(group) / "metrics.jsonl")
+
+
+def _node_of(job_id: str) -> str:
+    return slurm("squeue", "-h", "-j", job_id, "-o", "%N").stdout.strip()
+
+
+def test_a_preempted_element_resumes_and_the_run_finishes_with_an_exact_ledger(slurm_cluster, hep_files, tmp_path):
+    """cluster.sh's partition "urgent" preempts "debug" (PreemptMode=REQUEUE, GraceTime=30). A job
+    there takes the node of group 1's element: SLURM signals the element's ranks (SIGTERM), which
+    checkpoint; the element sees SLURM's PreemptTime and requeues itself (SLURM would not requeue a
+    job that ends within GraceTime), resumes from the checkpoint and the newest master weights,
+    and counts a planned requeue. Group 0 never stops; every update is applied exactly once."""
+    from tests.test_hybrid import applied_exactly_once
+
+    # --exclusive: each element and the applier on a node of its own, so that the urgent job
+    # preempts group 1's element alone; the fourth node is free for its restart.
+    sub = submit(hep_files, tmp_path, 300, "exchange.max_staleness=1000", 'slurm.extra_sbatch=["--exclusive"]',
+                 "emulate.enabled=true", "emulate.step_seconds=0.15", nodes=2, group_size=1)
+    run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
+    before = wait_status(run_dir, tmp_path, lambda s: s["groups"][1]["step"] >= 25
+                         and (s["applier"] or {}).get("applied"), what="group 1 past a checkpoint")
+    node = _node_of(f"{array}_1")
+    assert node and node not in (_node_of(f"{array}_0"), _node_of(sub["slurm_applier_job_id"]))
+    urgent = slurm("sbatch", "--parsable", "-p", "urgent", "-w", node, f"--output={tmp_path}/urgent.out",
+                   "--wrap", "sleep 20")
+    assert urgent.returncode == 0, urgent.stderr
+    again = wait_status(run_dir, tmp_path, lambda s: s["groups"][1]["planned_requeues"] == 1
+                        and s["groups"][1]["state"] == "running", timeout=200, what="group 1 preempted and running again")
+    assert again["groups"][1]["crash_restarts"] == 0
+    assert again["groups"][0]["planned_requeues"] == again["groups"][0]["crash_restarts"] == 0
+    assert "was preempted (SLURM), checkpointed; requeueing" in element_log(run_dir, 1)
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished", timeout=300, what="the end")
+    assert [g["step"] for g in done["groups"]] == [300, 300]
+    assert [(g["planned_requeues"], g["crash_restarts"]) for g in done["groups"]] == [(0, 0), (1, 0)]
+    # group 0 never stopped; group 1 went on from its checkpoint with the master weights of then
+    assert all(m.get("restart_count", 0) == 0 for m in _metrics(run_dir, 0))
+    assert "requeueing" not in element_log(run_dir, 0)
+    restarted = [m for m in _metrics(run_dir, 1) if m.get("restart_count") == 1]
+    assert restarted and restarted[0]["step"] > 20
+    assert (restarted[0].get("exchange_version") or 0) >= (before["applier"]["version"] or 0)
+    deadline = time.monotonic() + 120
+    while not queue_empty([array, sub["slurm_applier_job_id"]]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([array, sub["slurm_applier_job_id"]])
+    applied_exactly_once(run_dir)
+    assert status(run_dir, tmp_path)["state"] == "finished"
+
+
+def test_scancel_signal_term_of_one_element_leaves_the_run_cancelled(slurm_cluster, hep_files, tmp_path):
+    """`scancel --signal=TERM` signals the element's ranks (not its batch step), as a preemption
+    does; without SLURM's PreemptTime it is a user's stop: the group checkpoints and stays
+    stopped, and the run ends cancelled (not finished) with that group's reason."""
+    sub = submit(hep_files, tmp_path, 200, "exchange.enabled=off", "emulate.enabled=true", "emulate.step_seconds=0.1",
+                 nodes=2, group_size=1)
+    run_dir, array = Path(sub["run_dir"]), sub["slurm_array_job_id"]
+    wait_status(run_dir, tmp_path, lambda s: s["groups"][1]["step"] >= 10, what="group 1 training")
+    assert slurm("scancel", "--signal=TERM", f"{array}_1").returncode == 0
+    done = wait_status(run_dir, tmp_path, lambda s: not s["underway"], timeout=200, what="the run to end")
+    assert done["state"] == "cancelled", done["state"]
+    stopped = done["groups"][1]
+    assert stopped["state"] == "cancelled" and stopped["step"] < 200 and stopped["planned_requeues"] == 0
+    assert "signalled to stop" in stopped["reason"] and "scancel --signal=TERM" in stopped["why"], stopped
+    assert done["groups"][0]["state"] == "finished"
+    assert "requeueing" not in element_log(run_dir, 1)
+
+
+def test_a_preempted_applier_job_is_requeued_and_the_ledger_stays_exact(slurm_cluster, hep_files, tmp_path):
+    """The urgent job takes the applier's node: the appliers' job has no steps, so SLURM signals
+    its batch step only at the end of GraceTime (SIGTERM); the appliers commit, SLURM kills and
+    requeues the job, and they go on from their durable state. The groups never stop."""
+    from tests.test_hybrid import applied_exactly_once
+
+    sub = submit(hep_files, tmp_path, 300, "exchange.max_staleness=1000", 'slurm.extra_sbatch=["--exclusive"]',
+                 "emulate.enabled=true", "emulate.step_seconds=0.15", nodes=2, group_size=1)
+    run_dir, array, applier = Path(sub["run_dir"]), sub["slurm_array_job_id"], sub["slurm_applier_job_id"]
+    wait_status(run_dir, tmp_path, lambda s: (s["applier"] or {}).get("applied"), what="the applier applying")
+    node = _node_of(applier)
+    assert node and node not in (_node_of(f"{array}_0"), _node_of(f"{array}_1"))
+    urgent = slurm("sbatch", "--parsable", "-p", "urgent", "-w", node, f"--output={tmp_path}/urgent.out",
+                   "--wrap", "sleep 5")
+    assert urgent.returncode == 0, urgent.stderr
+    done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished", timeout=300, what="the end")
+    deadline = time.monotonic() + 120
+    while not queue_empty([array, applier]) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert queue_empty([array, applier])
+    log = "\n".join(p.read_text() for p in run_dir.glob("applier-*.out"))
+    assert "DUE TO PREEMPTION" in log and "SIGTERM: the appliers commit and stop" in log, log[-3000:]
+    assert [(g["planned_requeues"], g["crash_restarts"]) for g in done["groups"]] == [(0, 0), (0, 0)]
+    status_ = applied_exactly_once(run_dir)
+    assert set(status_["last_seq"]) == {"0", "1"}
