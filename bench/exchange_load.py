@@ -652,7 +652,9 @@ def planner_advice(fit: dict, bd: dict, groups: int, max_pending: int | None) ->
     read_ms = bd["parts"]["read+verify"]["cpu"]["median_ms"]
     bandwidth = n / (read_ms * 1e-3)
     apply_s = max(fit["shared_ms"] * 1e-3 - n * (1 + 1 / m) / bandwidth, 1e-6)  # > 0 if noise says not
-    values = dict(exchange_latency=fit["fixed_ms"] * 1e-3 / (1 + 1 / m), exchange_bandwidth=bandwidth,
+    # two K fitted under load can put the per-file part below zero: it is none, not negative
+    latency = max(fit["fixed_ms"] * 1e-3 / (1 + 1 / m), 0.0)
+    values = dict(exchange_latency=latency, exchange_bandwidth=bandwidth,
                   applier_bytes_per_s=n / apply_s,
                   applier_max_batch=m, max_pending_per_group=max_pending or 0, max_staleness=-1)
     inputs = PlanInputs.measured_here(1.90e12, batch_per_node=8, exchange_every=1).with_values(

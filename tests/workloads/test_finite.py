@@ -83,8 +83,8 @@ def test_progress_hears_every_byte(tmp_path):
     assert heard[0] == 1000 * 8 * 4 + 1000 * 4 and sum(heard[1:]) == heard[0]
 
 
-@pytest.mark.parametrize("where", ["labels", "inputs"])
-def test_submit_and_its_dry_run_refuse_non_finite_data_in_one_line_and_write_nothing(keras_job, tmp_path, where):
+@pytest.mark.parametrize("where, dry", [("labels", ["--dry-run"]), ("inputs", [])])
+def test_submit_and_its_dry_run_refuse_non_finite_data_in_one_line_and_write_nothing(keras_job, tmp_path, where, dry):
     import subprocess
 
     rng = np.random.default_rng(0)
@@ -97,13 +97,12 @@ def test_submit_and_its_dry_run_refuse_non_finite_data_in_one_line_and_write_not
             "model.args={units = 8, classes = 2}"]
     with pytest.raises(finite.NonFiniteData, match=r"data\.train: .*bad\.h5: '[xy]' holds nan at example 700"):
         prepare(str(keras_job), args)
-    for dry in (["--dry-run"], []):
-        proc = subprocess.run([HPCDL, "submit", str(keras_job), *dry, *sum((["--set", a] for a in args), [])],
-                              capture_output=True, text=True, cwd=tmp_path,
-                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-                                   "MPLCONFIGDIR": os.path.expanduser("~/.cache/matplotlib")})
-        assert proc.returncode == 2, proc.stderr
-        lines = proc.stderr.strip().splitlines()
-        assert len(lines) == 1 and "holds nan at example 700" in lines[0]
+    proc = subprocess.run([HPCDL, "submit", str(keras_job), *dry, *sum((["--set", a] for a in args), [])],
+                          capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+                               "MPLCONFIGDIR": os.path.expanduser("~/.cache/matplotlib")})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "holds nan at example 700" in lines[0]
     assert not (tmp_path / "runs").exists()
     prepare(str(keras_job), args + ["run.check_finite=false"])  # skipped knowingly
