@@ -198,12 +198,10 @@ class KerasWorkload(Workload):
         if arrays.input_shape != tuple(model.image_shape):
             raise DataError.at(data, f"examples are {arrays.input_shape}, the model was trained on "
                                      f"{tuple(model.image_shape)}")
-        classify = stats["task"] == "classification"
-        in_units = _target_units(stats)
+        finish = _as_scored(model, stats)
 
         def forward(x):
-            out = model(x, training=False)
-            return probabilities(out, model.probabilities) if classify else in_units(out)
+            return finish(model(x, training=False))
 
         forward = tf.function(forward, reduce_retracing=True)
         window = {} if limit is None else {"chunk": max(batch_size, limit), "prefetch": 0}
@@ -235,13 +233,10 @@ class KerasWorkload(Workload):
 
         mean = tf.constant(stats["mean"], tf.float32) if stats.get("mean") else None
         std = tf.constant(stats["std"], tf.float32) if stats.get("mean") else None
-        classify = stats["task"] == "classification"
-
-        in_units = _target_units(stats)
+        finish = _as_scored(model, stats)
 
         def predict(x):
-            out = model((x - mean) / std if mean is not None else x, training=False)
-            return probabilities(out, model.probabilities) if classify else in_units(out)
+            return finish(model((x - mean) / std if mean is not None else x, training=False))
 
         return predict
 
@@ -297,6 +292,14 @@ class KerasWorkload(Workload):
         if scores_out is not None:
             result["scores_file"] = str(metrics.write_predictions(scores_out, s["index"], s["p"], s["y"]))
         return result
+
+
+def _as_scored(model, stats: dict[str, Any]):
+    """The model's output as `evaluate` scores it: class probabilities, or regression values in the
+    targets' own units."""
+    if stats["task"] == "classification":
+        return lambda out: probabilities(out, model.probabilities)
+    return _target_units(stats)
 
 
 def _target_units(stats: dict[str, Any]):
