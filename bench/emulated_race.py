@@ -25,6 +25,7 @@ time to each target, its ratio to the tuned synchronous run per seed, the median
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -32,6 +33,7 @@ from pathlib import Path
 
 from bench.harness import log, machine, publish_png, result_path, write_result
 from bench.hybrid_race import BATCH, IMAGE, MODEL, TRAIN_RATE, bootstrap, generated
+from hpcdl.perf.accuracy import Run, Target, sweep_rate
 
 SUITE = "emulated-race"
 SCENARIOS = {  # EmulateConfig fields
@@ -113,45 +115,28 @@ class Race:
 
 
 def held_at(curve, target: float) -> float | None:
-    """The first emulated time from which the score holds `target` over two consecutive scores."""
-    for (t, _n, _v, a), (_t2, _n2, _v2, b) in zip(curve, curve[1:]):
-        if a >= target and b >= target:
-            return t
-    return None
+    """The first emulated time from which the AUC holds `target` over two consecutive scores."""
+    return Run(curve, False).reached_at(Target("auc", target, True))
 
 
 def sweep(race: Race, scenario: str, ranks: int, groups: int, runs: list) -> tuple[float, str]:
-    """The chosen rate and whether it is interior or stayed at an edge after the extension."""
+    """The chosen rate (by the mean AUC over the horizon) and whether it is interior or stayed
+    at an edge after the extension (hpcdl.perf.accuracy.sweep_rate)."""
     args = race.args
-    tried: dict[float, float] = {}
 
-    def key(rate: float) -> float:
-        if rate not in tried:
-            rs = [race.run(scenario, ranks, groups, s, rate) for s in args.tuning_seeds]
-            runs.extend({**r, "phase": "sweep"} for r in rs)
-            tried[rate] = statistics.fmean(fill(r, args.horizon) for r in rs)
-        return tried[rate]
+    def key(rate: float) -> tuple:
+        rs = [race.run(scenario, ranks, groups, s, rate) for s in args.tuning_seeds]
+        runs.extend({**r, "phase": "sweep"} for r in rs)
+        return (statistics.fmean(fill(r, args.horizon) for r in rs),)
 
-    c = centre(groups)
-    grid = [c / 2, c, c * 2]
-    for _ in range(args.extend + 1):
-        best = max(grid, key=key)
-        if grid[0] < best < grid[-1]:
-            return best, "interior"
-        grid = [best / 2, best, best * 2]
-    best = max(tried, key=lambda r: tried[r])
-    edge = "bottom" if best == min(tried) else "top" if best == max(tried) else "interior"
-    return best, edge
+    rate, where, _tried = sweep_rate(key, centre(groups), args.extend)
+    return rate, where
 
 
 def fill(run: dict, horizon: float) -> float:
-    """mean_score with a run stopped early (its highest target held) counted at its last score."""
-    if run["diverged"] or not run["curve"]:
-        return 0.5
-    scores = [a if a == a else 0.5 for _t, _n, _v, a in run["curve"][1:]]
-    every = run["curve"][1][0] if len(run["curve"]) > 1 else horizon
-    missing = max(0, round(horizon / every) - len(scores))
-    return statistics.fmean(scores + [scores[-1]] * missing) if scores else 0.5
+    """The mean AUC over the horizon (hpcdl.perf.accuracy.Run.mean_score); a diverged run 0.5."""
+    score = Run(run["curve"], run["diverged"]).mean_score(Target("auc", 1.0, True), horizon)
+    return score if score > -math.inf else 0.5
 
 
 def summarise(runs: list, scenario: str, ranks: int, chosen: dict, margin: float) -> dict:

@@ -505,14 +505,20 @@ def workloads(as_json):
 @click.option("--from-run", "from_run", metavar="RUN", help="Fit the stragglers (σ, stalls, slow nodes) to the step times each rank of RUN (a run directory or id) recorded, instead of assuming them.")
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--target", metavar="METRIC=VALUE", help="Also predict the time to this validation metric for each group count by the emulated race on the job's data (e.g. auc=0.95, r2>=0.9, loss<=0.3), and recommend G by it.")
+@click.option("--race-ranks", default=8, show_default=True, type=click.IntRange(min=1), help="--target: ranks the race trains (its group counts divide it); time is the planner's at --nodes.")
+@click.option("--race-steps", default=300, show_default=True, type=click.IntRange(min=2), help="--target: each race's horizon, in steps of the synchronous group.")
+@click.option("--race-seeds", default=3, show_default=True, type=click.IntRange(min=1), help="--target: race seeds per group count (the rates are tuned on another).")
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
-         max_applier_util, max_exchange_share, from_run, runs_dir, seed, as_json):
+         max_applier_util, max_exchange_share, from_run, runs_dir, seed, target, race_ranks, race_steps,
+         race_seeds, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
     assumption is printed. JOB is hep, or a job file of any workload: its network's FLOPs and
     size are then counted from the model it builds (from its data's shape). With --from-run the
-    stragglers are measured: a short synchronous run of the job shows them."""
+    stragglers are measured: a short synchronous run of the job shows them. With --target the
+    time to accuracy decides: the job's model races on its data for every group count."""
     from hpcdl.display import paper_check_text, plan_view
     from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
@@ -549,18 +555,54 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
         if fitted is not None:
             inputs = fitted.applied_to(inputs, f"run {from_run}")
         counts = [int(c) for c in group_counts.split(",")] if group_counts else None
+        aim = _accuracy_target(target, race_ranks, nodes, counts) if target else None
         result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
         raise InputError(str(exc)) from None
+    accuracy = _plan_accuracy(workload, inputs, nodes, seed, race_ranks, race_steps, race_seeds, *aim) if aim else None
     if as_json:
-        _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {})})
+        _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {}),
+                    **({"accuracy": accuracy.to_dict()} if accuracy else {})})
         return
     if fitted is not None:
         console.print(fitted.describe(), markup=False)
     console.print(plan_view(result))
+    if accuracy is not None:
+        from hpcdl.display import accuracy_view
+
+        console.print(accuracy_view(accuracy))
     if inputs_spec == "paper":
         console.print("\n" + paper_check_text(paper_check(seed=seed)))
+
+
+def _accuracy_target(text: str, race_ranks: int, nodes: int, counts):
+    """--target parsed, and the group counts the race can emulate (dividing both sizes)."""
+    from hpcdl.perf.accuracy import Target
+
+    aim = Target.parse(text)
+    candidates = counts or [g for g in range(1, race_ranks + 1) if race_ranks % g == 0]
+    groups = [g for g in candidates if race_ranks % g == 0 and nodes % g == 0]
+    if not groups:
+        raise ValueError(f"no group count divides both --race-ranks {race_ranks} and --nodes {nodes}")
+    return aim, groups
+
+
+def _plan_accuracy(job_ref, inputs, nodes, seed, race_ranks, race_steps, race_seeds, aim, groups):
+    from hpcdl.config import load_job
+    from hpcdl.display import counting_progress
+    from hpcdl.perf.race_worker import plan_accuracy
+    from hpcdl.workloads import get_workload
+
+    job = load_job(job_ref)
+    progress, task = counting_progress(err, "racing", len(groups) * (3 + race_seeds))  # sweeps may add runs
+    with progress:
+        try:
+            return plan_accuracy(get_workload(job.workload), job, inputs, nodes, aim, race_ranks=race_ranks,
+                                 groups=groups, steps=race_steps, race_seeds=race_seeds, tuning_seed=100 + seed,
+                                 progress=lambda what: progress.update(task, advance=1, description=f"racing {what}"))
+        except ValueError as exc:
+            raise InputError(str(exc)) from None
 
 
 def _with_job_network(inputs, job_ref: str):

@@ -386,6 +386,32 @@ def plan_view(plan):
     return Group(*parts)
 
 
+
+def accuracy_view(plan):
+    """`hpcdl plan --target`'s screen: time to target per group count, the recommendation and
+    what it rests on (plan: a hpcdl.perf.race_worker.AccuracyPlan)."""
+    table = Table("groups", "nodes/group", "rate (sweep)", "time to target: median", "range over seeds",
+                  "reached", title=f"Time to {escape(str(plan.target))} at {plan.nodes} nodes (emulated race)",
+                  box=box.SIMPLE_HEAD)
+    for o in plan.outcomes:
+        sweep = "" if o.sweep == "interior" else f", at the grid's {o.sweep}"
+        lo_hi = f"{o.interval[0]:.3g}–{o.interval[1]:.3g} s" if o.interval else "—"
+        table.add_row(str(o.groups), str(plan.nodes // o.groups), f"{o.rate:.3g}{sweep}",
+                      f"{o.median:.3g} s" if o.median is not None else "not on every seed", lo_hi,
+                      f"{sum(t is not None for t in o.times)}/{len(o.times)}")
+    best = plan.recommended
+    if best is None:
+        verdict = (f"No group count reached {escape(str(plan.target))} on every seed within "
+                   f"{plan.horizon_s:.3g} s: race longer (--race-steps) or aim lower.")
+    elif best.groups == 1:
+        verdict = f"Recommended: one synchronous group (G = 1) at train.learning_rate = {best.rate:.3g}."
+    else:
+        verdict = (f"Recommended: G = {best.groups} groups of {plan.nodes // best.groups} nodes "
+                   f"(run.group_size = {plan.nodes // best.groups}), exchange.learning_rate = {best.rate:.3g}.")
+    rests = "\n".join(f"  - {escape(line)}" for line in plan.basis)
+    return Group(table, verdict, "It rests on:\n" + rests)
+
+
 def paper_check_text(result: Mapping[str, Any]) -> str:
     """One paragraph from hpcdl.perf.recommend.paper_check's result."""
     c = result["candidate"]

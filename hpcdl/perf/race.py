@@ -1,9 +1,13 @@
 """The emulated race: N ranks in G groups train a workload's real model on its real data, in one
 process, on a discrete-event clock (no sleeps, blind to the machine's load).
 
-Time. A group's step k lasts ``step_seconds × max_r X(seed, shard_r, k)`` -- the straggler
-emulator's own draw (:func:`hpcdl.emulate.step_factor`, shard = group × size + rank, as a real
-run numbers its ranks) -- plus the planner's allreduce T(P, n) (:func:`hpcdl.perf.model.allreduce_seconds`).
+Time. A group's step k lasts ``step_seconds`` times its slowest node's factor, plus the
+planner's allreduce T(P, n) (:func:`hpcdl.perf.model.allreduce_seconds`). The factor is either
+the straggler emulator's own draw, ``max_r X(seed, shard_r, k)`` over the group's emulated ranks
+(:func:`hpcdl.emulate.step_factor`, shard = group × size + rank, as a real run numbers its
+ranks), or the planner's (:class:`PlannedStragglers`: :func:`hpcdl.perf.model.sample_group_slowest`
+over the P = `group_nodes` nodes of a group at the planned scale, which may exceed the emulated
+ranks: the race then learns at its own size on the time of the planned one).
 With planner inputs (:class:`hpcdl.perf.inputs.PlanInputs`) the exchange costs what
 :mod:`hpcdl.perf.simulate` charges: a publish λ + u/W, a listing λ, an adoption λ + n/W and its
 broadcast T(P, n), and an applier batch :meth:`PlanInputs.applier_batch_seconds` (or
@@ -43,10 +47,26 @@ from hpcdl.applier.rules import make_rule
 from hpcdl.config import EmulateConfig
 from hpcdl.emulate import step_factor
 from hpcdl.perf.inputs import PlanInputs
-from hpcdl.perf.model import allreduce_seconds, tree_collective_seconds
+from hpcdl.perf.model import allreduce_seconds, sample_group_slowest, slow_nodes_per_group, tree_collective_seconds
 
 Arrays = dict[str, np.ndarray]  # tensors by name
 _APPLIER, _GROUP, _SCORE = 0, 1, 2  # same-time events: the applier's answers first, scores last
+
+
+@dataclass(frozen=True)
+class PlannedStragglers:
+    """The planner's straggler model (σ, stalls, slow nodes of `inputs`) for `groups` groups of
+    `group_nodes` nodes: the slowest node's factor of a group's step, seeded by (seed, group, step)."""
+
+    inputs: PlanInputs
+    group_nodes: int
+    groups: int
+    seed: int = 0
+
+    def slowest(self, group: int, step: int) -> float:
+        slow = slow_nodes_per_group(self.group_nodes * self.groups, self.groups, self.inputs.slow_node_fraction)
+        rng = np.random.default_rng([self.seed, group, step])
+        return float(sample_group_slowest(rng, self.inputs, self.group_nodes, slow[group:group + 1], (1,))[0])
 
 
 @dataclass(frozen=True)
@@ -54,13 +74,27 @@ class RaceClock:
     """What the emulated events cost: the step, its stragglers, the network and the applier."""
 
     step_seconds: float = 0.2
-    stragglers: EmulateConfig = EmulateConfig()
+    stragglers: EmulateConfig | PlannedStragglers = EmulateConfig()
     inputs: PlanInputs | None = None  # α, B, n, the exchange medium and the applier; None: free
     applier_seconds: float | None = None  # per update; None: the planner's model (0 without inputs)
 
+    @classmethod
+    def planned(cls, inputs: PlanInputs, nodes: int, groups: int, seed: int) -> "RaceClock":
+        """The planner's clock for `nodes` in `groups` groups: its compute time b·F/R, stragglers,
+        allreduce, exchange and applier (one model for throughput and time to accuracy)."""
+        return cls(inputs.compute_seconds, PlannedStragglers(inputs, nodes // groups, groups, seed), inputs)
+
+    def nodes(self, size: int) -> int:
+        """A group's nodes in time: the planned scale's, else the emulated ranks'."""
+        return self.stragglers.group_nodes if isinstance(self.stragglers, PlannedStragglers) else size
+
     def group_step(self, group: int, size: int, step: int) -> float:
-        slowest = max(step_factor(self.stragglers, group * size + r, step) for r in range(size))
-        return self.step_seconds * slowest + (allreduce_seconds(self.inputs, size) if self.inputs else 0.0)
+        if isinstance(self.stragglers, PlannedStragglers):
+            slowest = self.stragglers.slowest(group, step)
+        else:
+            slowest = max(step_factor(self.stragglers, group * size + r, step) for r in range(size))
+        network = allreduce_seconds(self.inputs, self.nodes(size)) if self.inputs else 0.0
+        return self.step_seconds * slowest + network
 
     def publish(self) -> float:
         return self.inputs.update_transfer_seconds if self.inputs else 0.0
@@ -72,7 +106,7 @@ class RaceClock:
         i = self.inputs
         if i is None:
             return 0.0
-        return i.transfer_seconds + tree_collective_seconds(size, i.model_bytes, i.allreduce_latency,
+        return i.transfer_seconds + tree_collective_seconds(self.nodes(size), i.model_bytes, i.allreduce_latency,
                                                             i.allreduce_bandwidth)
 
     def applier_batch(self, updates: int, applied: int) -> float:

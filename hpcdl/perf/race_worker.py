@@ -89,6 +89,10 @@ def make_scorer(workload, job, stats: dict[str, Any], input_shape: tuple[int, ..
     NaN when the workload gives none (non-finite weights, one class in the subset)."""
     model = workload.build_model(job.model, input_shape, seed=0)
     variables = dict(model.named_variables())
+    offered = workload.validate(model, stats, data, limit)
+    if metric not in offered:
+        raise ValueError(f"{job.workload}'s validation on {data} gives {', '.join(sorted(offered))}, "
+                         f"not {metric!r}")
 
     def score(weights: Arrays) -> float:
         if not all(np.isfinite(w).all() for w in weights.values()):
@@ -124,3 +128,88 @@ def emulated_race(workload, job, stats: dict[str, Any], clock: RaceClock, *, sco
     finally:
         for it in batches:
             it.close()
+
+
+@dataclasses.dataclass
+class AccuracyPlan:
+    """`hpcdl plan --target`'s answer: per group count, its tuned rate and time to target."""
+
+    target: Any  # accuracy.Target
+    nodes: int
+    race_ranks: int
+    horizon_s: float
+    score_every_s: float
+    outcomes: list
+    recommended: Any  # accuracy.Outcome or None
+    basis: list  # what the recommendation rests on, a line each
+
+    def to_dict(self) -> dict[str, Any]:
+        best = self.recommended
+        return {"target": str(self.target), "nodes": self.nodes, "race_ranks": self.race_ranks,
+                "horizon_s": self.horizon_s, "score_every_s": self.score_every_s,
+                "outcomes": [o.to_dict() for o in self.outcomes],
+                "recommended_groups": best.groups if best else None,
+                "recommended_rate": best.rate if best else None, "basis": self.basis}
+
+
+def sync_step_seconds(inputs, nodes: int, seed: int, draws: int = 256) -> float:
+    """The planner's mean step of one synchronous group of `nodes` (stragglers and allreduce)."""
+    from hpcdl.perf.model import allreduce_seconds
+    from hpcdl.perf.race import PlannedStragglers
+
+    stragglers = PlannedStragglers(inputs, nodes, 1, seed)
+    slowest = np.mean([stragglers.slowest(0, k) for k in range(draws)])
+    return inputs.compute_seconds * float(slowest) + allreduce_seconds(inputs, nodes)
+
+
+def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int, groups: list[int],
+                  steps: int, race_seeds: int, tuning_seed: int, extend: int = 4, scores: int = 40,
+                  progress: Callable[[str], None] | None = None) -> AccuracyPlan:
+    """Race `job`'s model on its data for each group count of `nodes` (emulated at `race_ranks`
+    ranks, timed at `nodes` by the planner's model under `inputs`), for `steps` steps of the
+    synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend."""
+    from hpcdl.perf.accuracy import Run, race_groups, recommend
+    from hpcdl.perf.race import RaceClock
+
+    val = Path(getattr(job.data, "val", "") or "")
+    if not val.is_file():
+        raise ValueError(f"plan --target scores the job's data.val, which is not a file: {str(val)!r}")
+    stats = workload.compute_stats(job)
+    horizon = steps * sync_step_seconds(inputs, nodes, job.train.seed)
+    every = horizon / scores
+    scorer = make_scorer(workload, job, stats, workload.input_shape(job), val, job.train.validate_events,
+                         target.metric)
+
+    def race_job(g: int, rate: float, seed: int):
+        lr = {"learning_rate": rate} if g == 1 else {}
+        run = dataclasses.replace(job.run, nodes=race_ranks, group_size=race_ranks // g)
+        train = dataclasses.replace(job.train, seed=seed, **lr)
+        exchange = job.exchange if g == 1 else dataclasses.replace(job.exchange, learning_rate=rate)
+        return dataclasses.replace(job, run=run, train=train, exchange=exchange)
+
+    def outcome_of(g: int, rate: float, seed: int) -> Run:
+        if progress:
+            progress(f"G={g} rate {rate:.3g} seed {seed}")
+        result = emulated_race(workload, race_job(g, rate, seed), stats,
+                               RaceClock.planned(inputs, nodes, g, seed), score=scorer, score_every=every,
+                               horizon=horizon, stop=lambda curve: Run(curve, False).reached_at(target) is not None)
+        return Run(result.curve, result.stopped.startswith("not finite"))
+
+    centres = {g: job.train.learning_rate if g == 1 else
+               job.exchange.applier_learning_rate(job.train.learning_rate, g) for g in groups}
+    outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],
+                           race_seeds=list(range(race_seeds)), extend=extend)
+    best = recommend(outcomes)
+    basis = [
+        f"learning: the job's model and data, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
+        f"examples in G groups (a group's step is one batch of its size); steps to {target} are assumed "
+        f"not to change between {race_ranks} and {nodes} nodes",
+        f"time: the planner's model at {nodes} nodes ({inputs.label}): a node's step "
+        f"{inputs.compute_seconds:.3g} s, stragglers σ {inputs.straggler_sigma:g}, stalls "
+        f"{inputs.stall_probability:g} × {inputs.stall_factor:g}, slow nodes {inputs.slow_node_fraction:g} × "
+        f"{inputs.slow_factor:g}, allreduce and exchange as `hpcdl plan` models them",
+        f"rates: a factor-2 sweep per G on tuning seed {tuning_seed}, extended until interior "
+        f"(at most {extend} times); times over race seeds 0–{race_seeds - 1}; "
+        f"horizon {horizon:.3g} s ({steps} synchronous steps), scored every {every:.3g} s",
+    ]
+    return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, best, basis)

@@ -146,3 +146,20 @@ def test_one_group_is_plain_synchronous_sgd_on_the_group_batch(tiny):
         batches.close()
     for name, var in model.named_variables():
         np.testing.assert_array_equal(res.weights[name], var.numpy())
+
+
+def test_the_planned_clock_times_the_planned_scale_not_the_emulated_one():
+    from hpcdl.perf.inputs import PlanInputs
+    from hpcdl.perf.model import allreduce_seconds
+
+    base = PlanInputs.measured_here(1e12, batch_per_node=8, image=(32, 32, 3))
+    quiet = base.with_values("test", straggler_sigma=0.0)
+    clock = RaceClock.planned(quiet, nodes=512, groups=4, seed=0)
+    step = quiet.compute_seconds + allreduce_seconds(quiet, 128)  # P = 128 nodes, whatever the race's ranks
+    assert clock.group_step(0, 2, 1) == pytest.approx(step) and allreduce_seconds(quiet, 128) > allreduce_seconds(quiet, 2)
+    one_slow = quiet.with_values("test", slow_node_fraction=1 / 512, slow_factor=3.0)
+    clock = RaceClock.planned(one_slow, nodes=512, groups=4, seed=0)
+    assert clock.group_step(0, 2, 7) == pytest.approx(step + 2 * quiet.compute_seconds)  # group 0 holds it
+    assert clock.group_step(1, 2, 7) == pytest.approx(step)
+    noisy = RaceClock.planned(base.with_values("test", straggler_sigma=0.3), nodes=512, groups=4, seed=5)
+    assert noisy.group_step(2, 2, 3) == noisy.group_step(2, 2, 3) != noisy.group_step(2, 2, 4)  # seeded by step

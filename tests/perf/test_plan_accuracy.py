@@ -1,0 +1,93 @@
+"""`hpcdl plan --target`: the time to accuracy of each group count by the emulated race, on a
+user's own (keras) job, and the group count it recommends."""
+
+from __future__ import annotations
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hpcdl.cli import main
+from tests.workloads.conftest import BUILDER, JOB
+
+
+def blobs(path, n: int, seed: int):
+    """Three overlapping classes: a small network needs tens of steps to reach 70 % accuracy."""
+    rng = np.random.default_rng(seed)
+    y = rng.integers(0, 3, n)
+    x = rng.normal(size=(n, 6)).astype(np.float32) + 50.0
+    x[np.arange(n), y] += 1.5
+    with h5py.File(path, "w") as f:
+        f["x"], f["y"] = x, y
+    return path
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    d = tmp_path_factory.mktemp("plan-accuracy")
+    (d / "my_model.py").write_text(BUILDER)
+    text = JOB.format(train=blobs(d / "train.h5", 4096, 1), val=blobs(d / "val.h5", 512, 2), runs=d / "runs")
+    (d / "job.toml").write_text(text.replace("learning_rate = 0.01", "learning_rate = 0.002"))
+    # a node's step of 32 examples of this network at 70 kFLOP/s: about 0.2 s
+    (d / "quiet.toml").write_text("node_flops = 7e4\nstraggler_sigma = 0.0\n")
+    (d / "stalls.toml").write_text("node_flops = 7e4\nstraggler_sigma = 0.1\nstall_probability = 0.1\n"
+                                   "stall_factor = 20.0\n")
+    return d
+
+
+def plan(job, inputs: str, *args: str) -> dict:
+    result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs",
+                                       str(job / inputs), "--target", "accuracy=0.7", "--race-steps", "100",
+                                       "--groups", "1,8", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["accuracy"]
+
+
+def medians(accuracy: dict) -> dict:
+    return {o["groups"]: o["median_s"] for o in accuracy["outcomes"]}
+
+
+def test_heavy_stalls_recommend_groups(job):
+    # one step of a synchronous group of 8 stalls with probability 1 − 0.9⁸ = 0.57; a group of one 0.1
+    acc = plan(job, "stalls.toml")
+    m = medians(acc)
+    assert acc["recommended_groups"] == 8 and m[8] < 0.5 * m[1], acc
+    best = next(o for o in acc["outcomes"] if o["groups"] == 8)
+    assert acc["recommended_rate"] == best["rate"] and best["reached"] == 3
+    assert any("stalls 0.1 × 20" in line for line in acc["basis"])
+
+
+def test_without_stragglers_the_recommendation_is_the_races_fastest(job):
+    acc = plan(job, "quiet.toml")
+    m = medians(acc)
+    assert None not in m.values(), acc
+    assert acc["recommended_groups"] == min(m, key=lambda g: (m[g], g))
+    assert acc["recommended_groups"] == 1, acc  # on this job and seeds: one tuned group is faster
+    for o in acc["outcomes"]:  # every rate was swept until the best was interior, or says where it stopped
+        assert o["sweep"] in ("interior", "top", "bottom") and len(o["tried"]) >= 3
+        assert len(o["times_s"]) == 3
+
+
+def test_text_names_the_recommendation_and_what_it_rests_on(job):
+    result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs",
+                                       str(job / "stalls.toml"), "--target", "accuracy>=0.7", "--groups", "1,8",
+                                       "--race-steps", "100", "--race-seeds", "1"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for piece in ("Time to accuracy ≥ 0.7 at 8 nodes", "Recommended: G = 8 groups of 1 nodes",
+                  "exchange.learning_rate", "It rests on:", "tuning seed 100"):
+        assert piece in text, piece
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--target", "accuracy"), "METRIC=VALUE"),
+    (("--target", "auc=0.9", "--groups", "1"), "gives accuracy, loss, not 'auc'"),
+    (("--target", "accuracy=0.7", "--race-ranks", "3", "--groups", "2"), "divides both"),
+])
+def test_bad_targets_are_one_line(job, args, match):
+    result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs",
+                                       str(job / "quiet.toml"), *args])
+    assert result.exit_code == 2 and match in result.output, result.output
