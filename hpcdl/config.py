@@ -140,8 +140,8 @@ class ExchangeConfig:
     momentum: float = 0.9  # momentum's and nesterov's μ, adam's β1
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
     staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
-    max_outstanding: int = 0  # 0: a root never waits; K: at most K unanswered updates a group
-    warmup_steps: int = 0  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
+    max_outstanding: int = 2  # K: at most K unanswered updates a group (after the warm-up); 0: a root never waits
+    warmup_steps: int = 50  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
     reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
     delta_dtype: str = "float32"  # delta: float16 halves the bytes exchanged
     max_staleness: int = 16  # master versions an update may be behind; staler ones meet stale_policy

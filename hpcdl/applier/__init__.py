@@ -4,7 +4,8 @@ A process of its own (``python -m hpcdl.worker RUN --applier``): numpy, its comp
 kernels (numba, :mod:`hpcdl.applier.kernels`) and the stdlib, no TensorFlow. It keeps
 the master weights and its own optimizer, applies each group's update (the group-averaged
 gradient published by the group root through :class:`hpcdl.exchange.Channel`) in arrival order,
-and publishes new master weight versions. Groups never wait for it.
+and publishes new master weight versions. Groups wait for it only as the exchange's
+``max_outstanding`` asks, and at most ``reply_timeout_s``.
 
 Versions and staleness
 ======================

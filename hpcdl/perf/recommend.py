@@ -450,17 +450,23 @@ def recommend_shards(inputs: PlanInputs, nodes: int, groups: int, *, seed: int =
     Every shard costs each group root one file operation more per exchange. An overloaded
     applier loses updates, which costs the groups more than a few file operations, so shards are
     added while that lasts, up to MAX_SHARDED_EXCHANGE_SHARE of a group's step; where the per-file
-    costs keep every S above the bound, the advice is the least busy S tried, not met. It is met
+    costs keep every S above the bound, the advice is the least busy S tried, not met. Roots that
+    wait for their answers (max_outstanding) wait less as shards relieve the applier, so a share
+    above that bound ends the search only while it grows. It is met
     when the utilisation bound holds and the exchange's share of a group's step is at most
     max(`max_exchange_share`, its share at one applier)."""
-    first_share = best = None
+    first_share = best = previous_share = None
     for count in range(1, MAX_SHARDS + 1):
         c = evaluate(dataclasses.replace(inputs, exchange_shards=count), nodes, groups, seed=seed)
         share = c.exchange_s / c.step_s if c.step_s > 0 else 0.0
         if first_share is None:
             first_share, one = share, c
         elif share > MAX_SHARDED_EXCHANGE_SHARE:
-            break
+            if share >= previous_share:
+                break
+            previous_share = share  # roots that wait for an overloaded applier wait less with more
+            continue
+        previous_share = share
         if best is None or c.applier_utilisation < best[1].applier_utilisation:
             best = (count, c, share)
         if c.applier_utilisation <= max_utilisation:

@@ -369,7 +369,7 @@ def test_load_inputs_from_files(tmp_path):
     inputs = PlanInputs.load(f)
     assert inputs.node_flops == 5e10 and inputs.straggler_sigma == 0.02 and inputs.batch_per_node == 64
     assert inputs.source("straggler_sigma") == "given in here.json"
-    assert inputs.max_outstanding == 0  # hpcdl's base: never wait
+    assert inputs.max_outstanding == 2  # hpcdl's base: the job default, two updates in flight
     t = tmp_path / "cori.toml"
     t.write_text('base = "paper"\nstraggler_sigma = 0.12\n')
     assert PlanInputs.load(t) == PlanInputs.paper_cori_hep().with_values("given in cori.toml",

@@ -43,11 +43,25 @@ def test_the_plan_carries_the_shard_advice_for_its_recommended_groups(inputs):
 
 def fast_steps(**values):
     """The paper's cadence (8 examples per node, a 65 ms step) with per-file costs as this
-    machine's load bench measured them."""
+    machine's load bench measured them; roots that never wait, so an overloaded applier drops
+    updates instead of slowing the groups."""
     base = PlanInputs.measured_here(1.9e12, batch_per_node=8, exchange_every=1)
     return base.with_values("test", **{**dict(exchange_latency=0.4e-3, exchange_bandwidth=2.6e9,
                                                applier_bytes_per_s=1.9e9, applier_max_batch=32,
-                                               max_pending_per_group=4, max_staleness=-1), **values})
+                                               max_pending_per_group=4, max_staleness=-1,
+                                               max_outstanding=0), **values})
+
+
+def test_roots_that_wait_for_an_overloaded_applier_get_the_shards_that_end_the_wait():
+    from hpcdl.perf.recommend import MAX_SHARDED_EXCHANGE_SHARE
+
+    waiting = fast_steps(max_outstanding=2)
+    advice = recommend_shards(waiting, 64, 64)
+    # one applier makes the roots wait more than a quarter of a step, two still do: the search
+    # goes on past them, since each shard shortens the wait more than its file operation costs
+    assert recommend_shards(dataclasses.replace(waiting, exchange_shards=1), 64, 64) == advice
+    assert advice.shards > 2 and advice.applier_utilisation <= 0.5 and advice.met
+    assert advice.exchange_share <= MAX_SHARDED_EXCHANGE_SHARE
 
 
 def test_an_overloaded_applier_gets_shards_even_when_they_cost_the_groups_file_operations():
