@@ -30,6 +30,7 @@ def test_a_run_validates_and_tensorboard_serves_training_and_validation_scalars(
     assert [m.get("val_step") for m in lines] == [None, 10, 10, 20]
     last = lines[-1]
     assert 0.0 < last["val_loss"] < 5.0 and 0.5 < last["val_auc"] <= 1.0 and "val_tpr_at_selection_fpr" in last
+    assert 0.0 <= last["val_auc_unweighted"] <= 1.0
     # A window's step time is the training steps' alone: the validation's own time is apart.
     for before, line in zip(lines, lines[1:]):
         validated = line["val_time_s"] if line.get("val_step") == line["step"] else 0.0
