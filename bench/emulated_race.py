@@ -11,7 +11,7 @@ Per scenario and N, every configuration (G groups; G = 1 is plain synchronous SG
 train.learning_rate, G > 1 the job's exchange at exchange.learning_rate) is tuned on a factor-2
 grid around its centre rate on the tuning seeds, the grid EXTENDED past an edge until the best
 is interior (or `--extend` more points; an edge that stays is reported), by the mean validation
-AUC over the horizon (what training adds, not the untrained model's luck). Then the race seeds
+AUC (unweighted) over the horizon (what training adds, not the untrained model's luck). Then the race seeds
 run with the chosen rates. Every run's first score (t = 0) is the untrained model's: a target
 counts only above the highest of them plus `--margin`, and is reached when held over two
 consecutive scores. A run whose step is not finite has diverged: it reaches nothing. Reported:
@@ -44,7 +44,10 @@ SCENARIOS = {  # EmulateConfig fields
     "slow2": ("one node 2× slow", {"slow_shard": 0, "slow_factor": 2.0}),
     "slow3": ("one node 3× slow", {"slow_shard": 0, "slow_factor": 3.0}),
 }
-TARGETS = (0.95, 0.97, 0.98)  # weighted AUC (validate's); kept only above every untrained score (+ margin)
+# The unweighted AUC: the weighted one passes 0.95 within a few steps on this data (its weights
+# favour what the cuts already separate), so it would race the first steps only.
+METRIC = "auc_unweighted"
+TARGETS = (0.85, 0.90, 0.93)  # kept only above every untrained score (+ margin)
 SYNC_CENTRE = 2 * TRAIN_RATE  # bench.hybrid_race's synchronous centre
 
 
@@ -92,7 +95,7 @@ class Race:
         stats = self.workload.compute_stats(job)
         if "score" not in self.scorers:
             self.scorers["score"] = make_scorer(self.workload, job, stats, self.workload.input_shape(job),
-                                                self.files["val"], self.args.val_events, "auc")
+                                                self.files["val"], self.args.val_events, METRIC)
         wall = time.time()
         res = emulated_race(self.workload, job, stats, self.clock(job, scenario, seed),
                             score=self.scorers["score"], score_every=self.args.score_every,
@@ -116,7 +119,7 @@ class Race:
 
 def held_at(curve, target: float) -> float | None:
     """The first emulated time from which the AUC holds `target` over two consecutive scores."""
-    return Run(curve, False).reached_at(Target("auc", target, True))
+    return Run(curve, False).reached_at(Target(METRIC, target, True))
 
 
 def sweep(race: Race, scenario: str, ranks: int, groups: int, runs: list) -> tuple[float, str]:
@@ -135,7 +138,7 @@ def sweep(race: Race, scenario: str, ranks: int, groups: int, runs: list) -> tup
 
 def fill(run: dict, horizon: float) -> float:
     """The mean AUC over the horizon (hpcdl.perf.accuracy.Run.mean_score); a diverged run 0.5."""
-    score = Run(run["curve"], run["diverged"]).mean_score(Target("auc", 1.0, True), horizon)
+    score = Run(run["curve"], run["diverged"]).mean_score(Target(METRIC, 1.0, True), horizon)
     return score if score > -math.inf else 0.5
 
 
@@ -189,7 +192,7 @@ def picture(path: Path, title: str, runs: list, summary: dict) -> Path:
         ax.axhline(t, color="grey", ls="--", lw=0.8)
     ax.axhline(summary["untrained_auc"]["max"], color="black", ls=":", lw=0.8, label="untrained (max over seeds)")
     ax.set_xlabel("emulated seconds")
-    ax.set_ylabel("validation AUC (weighted)")
+    ax.set_ylabel("validation AUC (unweighted)")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     return publish_png(path, fig)
@@ -233,7 +236,7 @@ def main(argv=None) -> int:
             summary[key] = summarise(runs, scenario, ranks, chosen, args.margin)
             write_result(path, {"machine": env, "load_average_end": env_load(), "args": {
                 k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "model": MODEL, "image": IMAGE, "batch_per_rank": BATCH, "targets": TARGETS,
+                "model": MODEL, "image": IMAGE, "batch_per_rank": BATCH, "metric": METRIC, "targets": TARGETS,
                 "minutes": round((time.time() - started) / 60, 1), "summary": summary, "runs": runs})
             picture(path.with_name(f"{path.stem}-{scenario}-N{ranks}.png"),
                     f"{SCENARIOS[scenario][0]}, N={ranks}: median of {args.seeds} seeds, band = range",
