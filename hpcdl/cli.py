@@ -560,7 +560,8 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    accuracy = _plan_accuracy(workload, inputs, nodes, seed, race_ranks, race_steps, race_seeds, *aim) if aim else None
+    accuracy = (_plan_accuracy(workload, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, *aim)
+                if aim else None)
     if as_json:
         _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {}),
                     **({"accuracy": accuracy.to_dict()} if accuracy else {})})
@@ -588,19 +589,24 @@ def _accuracy_target(text: str, race_ranks: int, nodes: int, counts):
     return aim, groups
 
 
-def _plan_accuracy(job_ref, inputs, nodes, seed, race_ranks, race_steps, race_seeds, aim, groups):
+def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, aim, groups):
     from hpcdl.config import load_job
     from hpcdl.display import counting_progress
     from hpcdl.perf.race_worker import plan_accuracy
     from hpcdl.workloads import get_workload
 
-    job = load_job(job_ref)
-    progress, task = counting_progress(err, "racing", len(groups) * (3 + race_seeds))  # sweeps may add runs
+    job = load_job(job_ref, list(overrides))  # the exchange the plan models is the one raced
+    progress, task = counting_progress(err, "racing", len(groups) * (3 + race_seeds))
+
+    def one_more_race(_what: str) -> None:  # a sweep extended past its grid's edge adds races
+        done = progress.tasks[task].completed + 1
+        progress.update(task, completed=done, total=max(progress.tasks[task].total, done))
+
     with progress:
         try:
             return plan_accuracy(get_workload(job.workload), job, inputs, nodes, aim, race_ranks=race_ranks,
                                  groups=groups, steps=race_steps, race_seeds=race_seeds, tuning_seed=100 + seed,
-                                 progress=lambda what: progress.update(task, advance=1, description=f"racing {what}"))
+                                 progress=one_more_race)
         except ValueError as exc:
             raise InputError(str(exc)) from None
 

@@ -159,7 +159,7 @@ class PlanInputs:
                             if batch_per_node == 128 else source),
             model_bytes=(float(params * 4), f"{params:,} fp32 parameters of the HEP network"),
         )
-        base = cls.from_preset(preset, label="hpcdl, node rate measured here")
+        base = cls.from_preset(preset, label=f"hpcdl, node rate: {source.split(':')[0]}")
         return base.with_values(source, **overrides) if overrides else base
 
     @classmethod

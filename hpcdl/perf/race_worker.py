@@ -171,9 +171,14 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     from hpcdl.perf.accuracy import Run, race_groups, recommend
     from hpcdl.perf.race import RaceClock
 
+    import tensorflow as tf
+
     val = Path(getattr(job.data, "val", "") or "")
     if not val.is_file():
         raise ValueError(f"plan --target scores the job's data.val, which is not a file: {str(val)!r}")
+    # Every race builds its groups' steps and scorer anew, so TensorFlow's retracing warnings
+    # would only say what is by design.
+    tf.get_logger().setLevel("ERROR")
     stats = workload.compute_stats(job)
     horizon = steps * sync_step_seconds(inputs, nodes, job.train.seed)
     every = horizon / scores
@@ -187,12 +192,19 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
         exchange = job.exchange if g == 1 else dataclasses.replace(job.exchange, learning_rate=rate)
         return dataclasses.replace(job, run=run, train=train, exchange=exchange)
 
+    untrained: list[float] = []
+
     def outcome_of(g: int, rate: float, seed: int) -> Run:
         if progress:
             progress(f"G={g} rate {rate:.3g} seed {seed}")
         result = emulated_race(workload, race_job(g, rate, seed), stats,
                                RaceClock.planned(inputs, nodes, g, seed), score=scorer, score_every=every,
                                horizon=horizon, stop=lambda curve: Run(curve, False).reached_at(target) is not None)
+        first = result.curve[0][-1]  # the untrained model's score
+        if target.met(first):
+            raise ValueError(f"the untrained model already scores {target.metric} {first:.4g} (seed {seed}), "
+                             f"so {target} measures no training: choose a target it does not meet")
+        untrained.append(first)
         return Run(result.curve, result.stopped.startswith("not finite"))
 
     centres = {g: job.train.learning_rate if g == 1 else
@@ -210,6 +222,7 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
         f"{inputs.slow_factor:g}, allreduce and exchange as `hpcdl plan` models them",
         f"rates: a factor-2 sweep per G on tuning seed {tuning_seed}, extended until interior "
         f"(at most {extend} times); times over race seeds 0–{race_seeds - 1}; "
-        f"horizon {horizon:.3g} s ({steps} synchronous steps), scored every {every:.3g} s",
+        f"horizon {horizon:.3g} s ({steps} synchronous steps), scored every {every:.3g} s; "
+        f"the untrained model scored {target.metric} {min(untrained):.3g}–{max(untrained):.3g}",
     ]
     return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, best, basis)

@@ -78,7 +78,7 @@ def test_text_names_the_recommendation_and_what_it_rests_on(job):
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
     for piece in ("Time to accuracy ≥ 0.7 at 8 nodes", "Recommended: G = 8 groups of 1 nodes",
-                  "exchange.learning_rate", "It rests on:", "tuning seed 100"):
+                  "exchange.learning_rate", "It rests on:", "tuning seed 100", "the untrained model scored accuracy"):
         assert piece in text, piece
 
 
@@ -86,6 +86,7 @@ def test_text_names_the_recommendation_and_what_it_rests_on(job):
     (("--target", "accuracy"), "METRIC=VALUE"),
     (("--target", "auc=0.9", "--groups", "1"), "gives accuracy, loss, not 'auc'"),
     (("--target", "accuracy=0.7", "--race-ranks", "3", "--groups", "2"), "divides both"),
+    (("--target", "loss<=1000", "--groups", "1"), "the untrained model already scores loss"),
 ])
 def test_bad_targets_are_one_line(job, args, match):
     result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs",
