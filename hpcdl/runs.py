@@ -427,12 +427,6 @@ def apply_access(root: Path, access: Access) -> None:
             access.fix_file(Path(dirpath) / name)
 
 
-def staged_path(run: RunDir) -> Path:
-    """While `create_run` is open, files go to the staging directory that becomes `run`."""
-    matches = list(run.root.parent.glob(f".staging-{run.run_id}-*"))
-    return matches[0] if len(matches) == 1 else run.root
-
-
 def list_runs(runs_dir: str | Path = "runs") -> list[RunDir]:
     """The runs under runs_dir, newest first by creation (see RunDir.created)."""
     base = Path(runs_dir)

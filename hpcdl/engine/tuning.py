@@ -48,7 +48,6 @@ bench/results/.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -510,15 +509,3 @@ def loaded_openmp_runtimes() -> list[str]:
     except OSError:
         pass
     return sorted(names)
-
-
-def dense_peak_estimate(cpu: CpuInfo, cores: int, ghz: float) -> float | None:
-    """A rough float32 FMA peak, FLOP/s: cores × GHz × FLOPs per cycle (2 FMA units assumed).
-
-    For orientation only (turbo, AVX-512 frequency licences and a hypervisor's steal all move it);
-    the bench's ratios use the measured sgemm instead.
-    """
-    per_cycle = {"amx": 64, "avx512": 64, "avx2": 32, "sse": 8}[cpu.vector_isa]
-    if ghz <= 0 or not math.isfinite(ghz):
-        return None
-    return cores * ghz * 1e9 * per_cycle

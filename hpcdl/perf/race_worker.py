@@ -168,10 +168,10 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     """Race `job`'s model on its data for each group count of `nodes` (emulated at `race_ranks`
     ranks, timed at `nodes` by the planner's model under `inputs`), for `steps` steps of the
     synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend."""
+    import tensorflow as tf
+
     from hpcdl.perf.accuracy import Run, race_groups, recommend
     from hpcdl.perf.race import RaceClock
-
-    import tensorflow as tf
 
     val = Path(getattr(job.data, "val", "") or "")
     if not val.is_file():
