@@ -6,6 +6,10 @@ One model, one optimizer (:func:`hpcdl.engine.optim.make_optimizer`) and one tra
 optimizer state are numpy arrays, loaded into the variables before its step and read back after
 it, so G groups cost one trace, not G. Loading float32 arrays is exact, so a group's steps are
 the engine's steps.
+
+A group's batch holds its ranks' batches, and its loss is the mean of each rank's own loss, as
+Horovod averages the ranks' gradients: a weighted loss normalised per batch (HEP's) is not the
+loss of the whole batch, and the race measured that difference (docs/results.md).
 """
 
 from __future__ import annotations
@@ -44,8 +48,16 @@ class TfTrainer:
         self.variables = [v for _, v in named]
         self.optimizer = make_optimizer(job.train.optimizer, self.variables, job.train.learning_rate)
         self.optimizer_variables = list(self.optimizer.variables)
-        self.train_step = make_train_step(lambda batch: workload.loss(self.model, batch, training=True),
-                                          self.variables, self.optimizer)
+        ranks = job.run.ranks_per_group
+
+        def group_loss(batch):  # the mean of the ranks' losses (see the module)
+            if ranks == 1:
+                return workload.loss(self.model, batch, training=True)
+            pieces = [tf.split(t, ranks) for t in tf.nest.flatten(batch)]
+            per_rank = [tf.nest.pack_sequence_as(batch, [p[r] for p in pieces]) for r in range(ranks)]
+            return tf.add_n([workload.loss(self.model, b, training=True) for b in per_rank]) / ranks
+
+        self.train_step = make_train_step(group_loss, self.variables, self.optimizer)
         state = self.variables + self.optimizer_variables
         # one traced call each way, not one eager op per variable: a swap then costs little beside a step
         self._load = tf.function(lambda values: [v.assign(x) for v, x in zip(state, values)] and None)
