@@ -117,11 +117,26 @@ def make_scorer(workload, job, stats: dict[str, Any], input_shape: tuple[int, ..
 
 
 def group_batches(workload, job, stats: dict[str, Any], seed: int) -> list:
-    """Each group's stream: ONE batch of the group's size (ranks × batch per rank), shard g of G."""
+    """Each group's stream: its ranks' batches side by side, rank r of group g reading shard
+    g·P + r of N as the engine's ranks do, so the race sees a real run's data in its order.
+    Every rank holds its own chunk (data.chunk_events) in memory, as on a node."""
     groups, size = job.run.groups, job.run.ranks_per_group
-    train = dataclasses.replace(job.train, batch_per_rank=size * job.train.batch_per_rank)
-    group_job = dataclasses.replace(job, train=train)
-    return [workload.train_batches(group_job, stats, g, groups, seed=seed) for g in range(groups)]
+
+    def stream(g: int):
+        import tensorflow as tf
+
+        ranks = [workload.train_batches(job, stats, g * size + r, groups * size, seed=seed) for r in range(size)]
+        try:
+            while True:
+                parts = [next(it, None) for it in ranks]
+                if any(p is None for p in parts):
+                    return
+                yield tf.nest.map_structure(lambda *xs: np.concatenate(xs), *parts)
+        finally:
+            for it in ranks:
+                it.close()
+
+    return [stream(g) for g in range(groups)]
 
 
 def emulated_race(workload, job, stats: dict[str, Any], clock: RaceClock, *, score: Callable[[Arrays], float],

@@ -124,6 +124,25 @@ def test_a_real_race_is_deterministic(tiny):
     assert all(np.array_equal(a.weights[n], b.weights[n]) for n in a.weights)
 
 
+def test_a_groups_batch_is_its_ranks_batches_as_the_engine_reads_them(tiny):
+    from hpcdl.perf.race_worker import group_batches
+
+    workload, job, stats = tiny
+    job8 = sized(job, 8, 2)  # two groups of four ranks: group 1's ranks read shards 4-7 of 8
+    streams = group_batches(workload, job8, stats, seed=3)
+    ranks = [workload.train_batches(job8, stats, r, 8, seed=3) for r in range(4, 8)]
+    try:
+        for _ in range(3):
+            x, y, w = next(streams[1])
+            parts = [next(it) for it in ranks]
+            np.testing.assert_array_equal(x, np.concatenate([p[0] for p in parts]))
+            np.testing.assert_array_equal(y, np.concatenate([p[1] for p in parts]))
+            np.testing.assert_array_equal(w, np.concatenate([p[2] for p in parts]))
+    finally:
+        for it in [*streams, *ranks]:
+            it.close()
+
+
 @pytest.fixture
 def weighted(tiny, tmp_path):
     """tiny's job on a copy of its data whose events weigh 0.1 to 10 (the toy's weigh one per class)."""
