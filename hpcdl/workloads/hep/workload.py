@@ -142,8 +142,8 @@ class HepWorkload(Workload):
         except ValueError:  # the subset holds one class only
             return out
         out["auc"] = m.auc_weighted
-        # The weights favour events the cuts already separate: the weighted AUC of the generated
-        # data passes 0.95 within a few steps, the unweighted one shows the learning after that.
+        # Training minimises the weighted loss; the unweighted AUC says what that costs the events
+        # the weights make rare.
         out["auc_unweighted"] = m.auc_unweighted
         if m.cnn_tpr_at_selection_fpr is not None:
             out["tpr_at_selection_fpr"] = m.cnn_tpr_at_selection_fpr
