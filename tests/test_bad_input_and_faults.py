@@ -475,7 +475,8 @@ def test_a_damaged_applier_state_is_recovered_then_a_lost_one_fails_the_run(hep_
                  "the recovered applier to apply")
 
         def lose_both(d):
-            truncate(d / "state.hx")
+            if (d / "state.hx").exists():  # a kill between the commit's two renames leaves state.hx.1 alone
+                truncate(d / "state.hx")
             flip_region(d / "state.hx.1")
 
         _hold_supervisor_and_kill_applier(run_dir, supervisor, lose_both)

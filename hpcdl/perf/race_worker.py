@@ -241,7 +241,7 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     best = recommend(outcomes)
     basis = [
         f"learning: the job's model and data, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
-        f"examples in G groups (a group's step is one batch of its size); steps to {target} are assumed "
+        f"examples in G groups (a group's step averages its ranks' gradients); steps to {target} are assumed "
         f"not to change between {race_ranks} and {nodes} nodes",
         f"time: the planner's model at {nodes} nodes ({inputs.label}): a node's step "
         f"{inputs.compute_seconds:.3g} s, stragglers σ {inputs.straggler_sigma:g}, stalls "
