@@ -14,9 +14,9 @@ is interior (or `--extend` more points; an edge that stays is reported), by the 
 score (`--metric`, the loss by default) over the horizon: what training adds, not the untrained
 model's luck. Then the race seeds run with the chosen rates. Every run's first score (t = 0) is
 the untrained model's: a target counts only beyond every one of them by `--margin`, and is
-reached when held over two consecutive scores. A run whose step is not finite has diverged: it reaches nothing. Reported:
-time to each target, its ratio to the tuned synchronous run per seed, the median and a bootstrap
-95 % interval over seeds (bench.hybrid_race.bootstrap). A PNG per scenario and N.
+reached when held over two consecutive scores. A run whose step is not finite has diverged: it
+reaches nothing. Reported: time to each target, its ratio to the tuned synchronous run per seed,
+the median and a bootstrap 95 % interval over seeds (bench.hybrid_race.bootstrap). A PNG per scenario and N.
 
     .venv/bin/python -m bench.emulated_race --quick      # N 8, G 1 and 2, one scenario: minutes
     .venv/bin/python -m bench.emulated_race --ranks 8,64,512 --scenarios none,s01,s03,stalls,slow2,slow3
@@ -25,7 +25,6 @@ time to each target, its ratio to the tuned synchronous run per seed, the median
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -117,7 +116,8 @@ class Race:
 
     def stop(self, curve) -> bool:
         """Early out once the hardest target is held (the sweep's key then is of a finished run)."""
-        hardest = aim(self.args.metric, self.args.targets[-1])
+        levels = self.args.targets
+        hardest = aim(self.args.metric, max(levels) if aim(self.args.metric, 0.0).higher else min(levels))
         return Run(curve, False).reached_at(hardest) is not None and curve[-1][0] >= self.args.run_until
 
 
