@@ -7,9 +7,10 @@ optimizer state are numpy arrays, loaded into the variables before its step and 
 it, so G groups cost one trace, not G. Loading float32 arrays is exact, so a group's steps are
 the engine's steps.
 
-A group's batch holds its ranks' batches, and its loss is the mean of each rank's own loss, as
-Horovod averages the ranks' gradients: a weighted loss normalised per batch (HEP's) is not the
-loss of the whole batch, and the race measured that difference (docs/results.md).
+A group's batch holds its ranks' batches, and its loss is the mean of each rank's own loss
+(`Workload.group_loss`), as Horovod averages the ranks' gradients: a weighted loss normalised per
+batch (HEP's) is not the loss of the whole batch, and the race measured that difference
+(docs/results.md).
 """
 
 from __future__ import annotations
@@ -49,15 +50,8 @@ class TfTrainer:
         self.optimizer = make_optimizer(job.train.optimizer, self.variables, job.train.learning_rate)
         self.optimizer_variables = list(self.optimizer.variables)
         ranks = job.run.ranks_per_group
-
-        def group_loss(batch):  # the mean of the ranks' losses (see the module)
-            if ranks == 1:
-                return workload.loss(self.model, batch, training=True)
-            pieces = [tf.split(t, ranks) for t in tf.nest.flatten(batch)]
-            per_rank = [tf.nest.pack_sequence_as(batch, [p[r] for p in pieces]) for r in range(ranks)]
-            return tf.add_n([workload.loss(self.model, b, training=True) for b in per_rank]) / ranks
-
-        self.train_step = make_train_step(group_loss, self.variables, self.optimizer)
+        self.train_step = make_train_step(lambda batch: workload.group_loss(self.model, batch, ranks, training=True),
+                                          self.variables, self.optimizer)
         state = self.variables + self.optimizer_variables
         # one traced call each way, not one eager op per variable: a swap then costs little beside a step
         self._load = tf.function(lambda values: [v.assign(x) for v, x in zip(state, values)] and None)

@@ -164,6 +164,19 @@ class Workload(ABC):
     def loss(self, model, batch: tuple, training: bool):
         """Scalar loss of a batch (a TensorFlow tensor; traced inside tf.function)."""
 
+    def group_loss(self, model, batch: tuple, ranks: int, training: bool):
+        """The mean of `ranks` ranks' own losses, over a batch that holds their equal batches side by
+        side: the loss whose gradient is a synchronous group's (Horovod averages the ranks'
+        gradients). This default calls `loss` once per rank, right for any model; a workload whose
+        model treats every example on its own (no batch statistics) may do it in one call."""
+        import tensorflow as tf
+
+        if ranks == 1:
+            return self.loss(model, batch, training)
+        pieces = [tf.split(t, ranks) for t in tf.nest.flatten(batch)]
+        per_rank = [tf.nest.pack_sequence_as(batch, [p[r] for p in pieces]) for r in range(ranks)]
+        return tf.add_n([self.loss(model, b, training) for b in per_rank]) / ranks
+
     @abstractmethod
     def validate(self, model, stats: dict[str, Any], data: Path, limit: int) -> dict[str, float]:
         """The workload's figures of merit on the first `limit` examples of `data` (a fixed

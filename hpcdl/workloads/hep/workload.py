@@ -77,14 +77,19 @@ class HepWorkload(Workload):
                 yield x, y, norm.event_weights(y, w)
 
     def loss(self, model, batch, training: bool):
+        return self.group_loss(model, batch, 1, training)
+
+    def group_loss(self, model, batch, ranks: int, training: bool):
+        """In one call of the network, whose examples are independent (no batch statistics)."""
         import tensorflow as tf
 
         x, y, w = batch
         logits = model(x, training=training)
         per_event = tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits)
         # Class-balanced event weights (mean ~1), so the loss scale does not depend on the
-        # physics cross-sections.
-        return tf.reduce_sum(per_event * w) / tf.reduce_sum(w)
+        # physics cross-sections; normalised per rank's batch, as each rank does.
+        per_event, w = tf.reshape(per_event, [ranks, -1]), tf.reshape(w, [ranks, -1])
+        return tf.reduce_mean(tf.reduce_sum(per_event * w, axis=1) / tf.reduce_sum(w, axis=1))
 
     def scores(self, model, stats, data: Path, batch_size: int = 512, progress=None, limit: int | None = None):
         """Signal probability of every event of `data` (the first `limit`), in file order, with
