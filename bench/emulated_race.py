@@ -2,7 +2,7 @@
 """The emulated race: N ranks as one synchronous group and as G hybrid groups, time to accuracy
 in emulated time (hpcdl.perf.race), real gradients of the race's HEP network on its data.
 
-The network, data and batch are bench.hybrid_race's (16 filters, 32×32, batch 8 per rank); each
+The network, data and batch are bench.hybrid_race's (16 filters, 32×32, batch 8 per rank; `--batch`); each
 rank-step lasts `--step-seconds` × the straggler emulator's draw, the allreduce and exchange
 cost what the planner's model says (PlanInputs.measured_here with the job's exchange), and the
 clock is the engine's, so the machine's load changes the wall time, not a figure.
@@ -76,7 +76,7 @@ class Race:
 
         field = "train.learning_rate" if groups == 1 else "exchange.learning_rate"
         return load_job("hep", [*(f'data.{k}="{v}"' for k, v in self.files.items()),
-                                f"train.batch_per_rank={BATCH}", f"train.seed={seed}", "data.prefetch=0",
+                                f"train.batch_per_rank={self.args.batch}", f"train.seed={seed}", "data.prefetch=0",
                                 "data.chunk_events=512", *(f"model.{k}={v}" for k, v in MODEL.items()),
                                 f"run.nodes={ranks}", f"run.group_size={ranks // groups}", f"{field}={rate:.6g}"])
 
@@ -85,7 +85,8 @@ class Race:
         from hpcdl.perf.inputs import PlanInputs, job_exchange_values
         from hpcdl.perf.race import RaceClock
 
-        inputs = PlanInputs.measured_here(1e12, batch_per_node=BATCH, image=(IMAGE, IMAGE, 3), model=job.model)
+        inputs = PlanInputs.measured_here(1e12, batch_per_node=self.args.batch, image=(IMAGE, IMAGE, 3),
+                                          model=job.model)
         inputs = inputs.with_values("the race's job", **job_exchange_values(job.exchange))
         stragglers = EmulateConfig(enabled=True, seed=seed, **SCENARIOS[scenario][1])
         return RaceClock(self.args.step_seconds, stragglers, inputs)
@@ -216,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scenarios", default="none,s01,s03,stalls,slow2,slow3")
     ap.add_argument("--seeds", type=int, default=3, help="race seeds 0..N-1")
     ap.add_argument("--tuning-seeds", default="100")
+    ap.add_argument("--batch", type=int, default=BATCH, help="examples per rank (bench.hybrid_race's by default; "
+                                                             "smaller makes N in the hundreds affordable)")
     ap.add_argument("--step-seconds", type=float, default=0.2)
     ap.add_argument("--horizon", type=float, default=60.0, help="emulated seconds per run")
     ap.add_argument("--score-every", type=float, default=2.0)
@@ -252,7 +255,7 @@ def main(argv=None) -> int:
             summary[key] = summarise(runs, scenario, ranks, chosen, args)
             write_result(path, {"machine": env, "load_average_end": env_load(), "args": {
                 k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-                "model": MODEL, "image": IMAGE, "batch_per_rank": BATCH, "metric": args.metric, "targets": args.targets,
+                "model": MODEL, "image": IMAGE, "batch_per_rank": args.batch, "metric": args.metric, "targets": args.targets,
                 "minutes": round((time.time() - started) / 60, 1), "summary": summary, "runs": runs})
             picture(path.with_name(f"{path.stem}-{scenario}-N{ranks}.png"),
                     f"{SCENARIOS[scenario][0]}, N={ranks}: median of {args.seeds} seeds, band = range",
