@@ -515,15 +515,15 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
          race_seeds, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
-    assumption is printed. JOB is hep, or a job file of any workload: its network's FLOPs and
-    size are then counted from the model it builds (from its data's shape). With --from-run the
-    stragglers are measured: a short synchronous run of the job shows them. With --target the
+    assumption is printed. JOB is a job's name (hep, climate) or a job file of any workload; but
+    for hep, its network's FLOPs and size are counted from the model it builds (from its data's
+    shape). With --from-run the stragglers are measured: a short synchronous run of the job shows them. With --target the
     time to accuracy decides: the job's model races on its data for every group count."""
+    from hpcdl.config import resolve_job_path
     from hpcdl.display import paper_check_text, plan_view
     from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
 
-    if workload not in PLANNED_WORKLOADS and not workload.endswith(".toml"):
-        raise InputError(f"plan takes {', '.join(PLANNED_WORKLOADS)} or a job file (.toml), got {workload!r}")
+    resolve_job_path(workload)  # a job of jobs/ by name (hep, climate) or a .toml file
     if inputs_spec and node_flops:
         raise InputError("give --inputs or --node-flops, not both")
     fitted = None
@@ -614,21 +614,22 @@ def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_ste
 def _with_job_network(inputs, job_ref: str):
     """The planner's inputs with the FLOPs per example and the size of the job's own network,
     saying how they were counted (the model's own count, or TensorFlow's cost analysis)."""
-    from hpcdl.config import load_job
+    from hpcdl.config import load_job, resolve_job_path
     from hpcdl.workloads import get_workload
 
     job = load_job(job_ref)
     workload = get_workload(job.workload)
+    name = resolve_job_path(job_ref).name
     counted = getattr(workload, "network_cost_and_source", None)
     if counted is not None:
         flops, how, params = counted(job)
     else:
         (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
-    where = f"job {Path(job_ref).name}: the {job.workload} network at its data's shape"
+    where = f"job {name}: the {job.workload} network at its data's shape"
     return inputs.with_sourced({"flops_per_example": (float(flops), f"{where}, FLOPs by {how}"),
                                 "model_bytes": (float(params * 4), f"{where}, {params:,} fp32 parameters"),
                                 "batch_per_node": (job.train.batch_per_rank * job.run.ranks_per_node,
-                                                   f"job {Path(job_ref).name}: train.batch_per_rank × run.ranks_per_node")})
+                                                   f"job {name}: train.batch_per_rank × run.ranks_per_node")})
 
 
 # -- doctor / completion --------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import os
 import queue
 import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tuple
 
@@ -90,6 +91,23 @@ def h5_dataset(error: type[DataFileError], path: Path, group: "h5py.Group", key:
 
 #: Put by :func:`feed_queue` after the last item of a stream that ended.
 END = object()
+
+
+_TRACED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def traced_forward(model, name: str, fn: Callable):
+    """`tf.function` of `fn(model, x)`, traced once per model and `name` rather than at every call:
+    validation scores one model many times (the engine every train.validate_every steps, the
+    emulated race at every score), and a trace costs more than scoring a small subset. The
+    function holds the model weakly, so the cache does not keep it alive."""
+    per_model = _TRACED.setdefault(model, {})
+    if name not in per_model:
+        import tensorflow as tf
+
+        ref = weakref.ref(model)
+        per_model[name] = tf.function(lambda x: fn(ref(), x), reduce_retracing=True)
+    return per_model[name]
 
 
 def put_unless_halted(q: "queue.Queue", item, halt: threading.Event) -> bool:

@@ -92,3 +92,53 @@ def test_bad_targets_are_one_line(job, args, match):
     result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs",
                                        str(job / "quiet.toml"), *args])
     assert result.exit_code == 2 and match in result.output, result.output
+
+
+def shipped_job(d, name: str, data: dict, **fields) -> str:
+    """jobs/NAME.toml with its data in `data` and `fields` (`key = value` lines of the file) changed."""
+    from hpcdl.config import resolve_job_path
+
+    lines = []
+    for line in resolve_job_path(name).read_text().splitlines():
+        key = line.split("=")[0].strip()
+        if key in data:
+            line = f'{key} = "{data[key]}"'
+        elif key in fields:
+            line = f"{key} = {fields[key]}"
+        lines.append(line)
+    path = d / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def race(job_file: str, inputs, target: str, steps: int) -> dict:
+    result = CliRunner().invoke(main, ["plan", job_file, "--nodes", "8", "--inputs", str(inputs), "--target", target,
+                                       "--race-ranks", "2", "--groups", "1,2", "--race-steps", str(steps),
+                                       "--race-seeds", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    acc = json.loads(result.stdout)["accuracy"]
+    assert [o["groups"] for o in acc["outcomes"]] == [1, 2]
+    assert all(len(o["tried"]) >= 3 for o in acc["outcomes"])
+    assert acc["recommended_groups"] in (1, 2) and acc["recommended_rate"] > 0, acc
+    return acc
+
+
+def test_the_shipped_hep_job_races_its_own_network_on_its_data(job, tmp_path):
+    from tests.conftest import write_nersc
+
+    data = {"train": write_nersc(tmp_path / "train.h5", 2048, seed=1), "val": write_nersc(tmp_path / "val.h5", 512, seed=2)}
+    data["test"] = data["val"]
+    hep = shipped_job(tmp_path, "hep", data, filters=4, conv_layers=2, dropout=0.0, batch_per_rank=16,
+                      chunk_events=256)
+    acc = race(hep, job / "quiet.toml", "loss=0.5", 60)
+    assert "loss ≤ 0.5" in acc["target"] and any("2 emulated ranks of 16 examples" in b for b in acc["basis"])
+
+
+def test_the_shipped_climate_job_races_to_a_detection_map(job, tmp_path):
+    from hpcdl.workloads.climate.generate import generate
+
+    data = generate(tmp_path / "data", 200, height=32, width=48, labelled_fraction=0.5, seed=1)
+    climate = shipped_job(tmp_path, "climate", data, filters="[8, 16]", grid_convs=1, batch_per_rank=8,
+                          score_threshold=0.001)
+    acc = race(climate, job / "quiet.toml", "map50=0.05", 30)
+    assert "map50 ≥ 0.05" in acc["target"]

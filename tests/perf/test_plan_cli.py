@@ -87,6 +87,19 @@ def test_wrong_input_is_one_line_and_exit_2(args, match):
     assert match in result.output and "Traceback" not in result.output
 
 
+def test_a_shipped_job_other_than_hep_is_planned_by_name_with_its_own_network(tmp_path, monkeypatch):
+    from hpcdl.workloads.climate.generate import generate
+
+    monkeypatch.chdir(tmp_path)  # the job's data/climate/, as `hpcdl data generate climate` writes it
+    generate(tmp_path / "data" / "climate", 20, height=32, width=48, labelled_fraction=0.5, seed=1)
+    result = CliRunner().invoke(main, ["plan", "climate", "--nodes", "64", "--node-flops", "1e12", "--json"])
+    assert result.exit_code == 0, result.output
+    sources = json.loads(result.stdout)["inputs"]["sources"]
+    assert sources["flops_per_example"].startswith("job climate.toml: the climate network"), sources
+    result = CliRunner().invoke(main, ["plan", "nosuchjob", "--nodes", "64", "--node-flops", "1e12"])
+    assert result.exit_code == 2 and "unknown job 'nosuchjob'" in result.output, result.output
+
+
 @pytest.mark.parametrize("flops", ["inf", "nan"])
 def test_node_flops_must_be_finite(flops):
     result = run("--nodes", "64", "--node-flops", flops)

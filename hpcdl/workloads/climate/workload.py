@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from hpcdl.errors import JobError
 from hpcdl.workloads.base import GeneratorOption, Workload
+from hpcdl.workloads.common import traced_forward
 from hpcdl.workloads.climate import data as cdata
 from hpcdl.workloads.climate.boxes import decode_grid
 from hpcdl.workloads.climate.config import ClimateDataConfig, ClimateModelConfig
@@ -109,7 +110,7 @@ class ClimateWorkload(Workload):
                                   f"{st.prep.to_dict()}, the model was trained on {tuple(model.image_shape)}")
         if cf.n_labelled == 0:
             raise cdata.DataError(f"{data}: holds no labelled image to score")
-        predict = tf.function(lambda x: model(x), reduce_retracing=True)
+        predict = traced_forward(model, "grid", lambda m, x: m(x))
         cfg = model.config
         h, w, _ = model.image_shape
         indices, dets, truths, fields = [], [], [], []

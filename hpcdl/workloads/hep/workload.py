@@ -14,6 +14,7 @@ import numpy as np
 
 from hpcdl.errors import JobError
 from hpcdl.workloads.base import GeneratorOption, Workload
+from hpcdl.workloads.common import traced_forward
 from hpcdl.workloads.hep import data as hepdata
 from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig
 from hpcdl.workloads.hep.normalization import Normalization
@@ -97,7 +98,7 @@ class HepWorkload(Workload):
         import tensorflow as tf
 
         norm = Normalization.from_dict(stats)
-        predict = tf.function(lambda x: tf.nn.softmax(model(x, training=False))[:, 1], reduce_retracing=True)
+        predict = traced_forward(model, "signal", lambda m, x: tf.nn.softmax(m(x, training=False))[:, 1])
         parts: dict[str, list] = {"score": [], "y": [], "w": [], "pass": [], "index": []}
         has_pass = True
         # a validation subset is read in one small slice, not the job's large chunks
