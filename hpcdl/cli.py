@@ -52,13 +52,7 @@ class HpcdlGroup(click.Group):
     """Turns input errors into one line and exit 2, and failures into exit 1."""
 
     def invoke(self, ctx):
-        from hpcdl.errors import JobError
-        from hpcdl.evaluate import EvaluateError
-        from hpcdl.exchange import CorruptFile
-        from hpcdl.launch import LaunchError
-        from hpcdl.runs import RunError
-        from hpcdl.schedulers.base import SchedulerError
-        from hpcdl.workloads.common import DataFileError
+        from hpcdl.errors import HpcdlError
 
         try:
             return super().invoke(ctx)
@@ -66,12 +60,8 @@ class HpcdlGroup(click.Group):
             raise
         except click.UsageError as exc:  # a subcommand's options, as click parsed them
             raise InputError(exc.format_message()) from None
-        except (JobError, RunError, EvaluateError, LaunchError) as exc:
-            raise InputError(str(exc)) from None
-        except SchedulerError as exc:
-            raise click.ClickException(str(exc)) from None
-        except (DataFileError, CorruptFile) as exc:  # a data file, or an exchange file, that is unusable
-            raise InputError(str(exc)) from None
+        except HpcdlError as exc:
+            raise (InputError if exc.exit_code == 2 else click.ClickException)(str(exc)) from None
         except OSError as exc:  # a path the user gave that cannot be written or read: full, read-only, ...
             where = f"{exc.filename}: " if exc.filename else ""
             raise click.ClickException(f"{where}{exc.strerror or exc}") from None
@@ -509,10 +499,11 @@ def workloads(as_json):
 @click.option("--race-ranks", default=8, show_default=True, type=click.IntRange(min=1), help="--target: ranks the race trains (its group counts divide it); time is the planner's at --nodes.")
 @click.option("--race-steps", default=300, show_default=True, type=click.IntRange(min=2), help="--target: each race's horizon, in steps of the synchronous group.")
 @click.option("--race-seeds", default=3, show_default=True, type=click.IntRange(min=1), help="--target: race seeds per group count (the rates are tuned on another).")
+@click.option("--race-budget", default=15.0, show_default=True, type=FiniteFloatRange(min=0.0), help="--target: minutes the races may take on this machine, estimated from a measured step before they start; over it, plan stops and says what to lower (0: no limit).")
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
          max_applier_util, max_exchange_share, from_run, runs_dir, seed, target, race_ranks, race_steps,
-         race_seeds, as_json):
+         race_seeds, race_budget, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
     assumption is printed. JOB is a job's name (hep, climate) or a job file of any workload; but
@@ -560,8 +551,8 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
                            max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
     except ValueError as exc:
         raise InputError(str(exc)) from None
-    accuracy = (_plan_accuracy(workload, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, *aim)
-                if aim else None)
+    accuracy = (_plan_accuracy(workload, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds,
+                               race_budget * 60, *aim) if aim else None)
     if as_json:
         _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {}),
                     **({"accuracy": accuracy.to_dict()} if accuracy else {})})
@@ -589,7 +580,8 @@ def _accuracy_target(text: str, race_ranks: int, nodes: int, counts):
     return aim, groups
 
 
-def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, aim, groups):
+def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, budget_s, aim,
+                   groups):
     from hpcdl.config import load_job
     from hpcdl.display import counting_progress
     from hpcdl.perf.race_worker import plan_accuracy
@@ -606,7 +598,7 @@ def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_ste
         try:
             return plan_accuracy(get_workload(job.workload), job, inputs, nodes, aim, race_ranks=race_ranks,
                                  groups=groups, steps=race_steps, race_seeds=race_seeds, tuning_seed=100 + seed,
-                                 progress=one_more_race)
+                                 budget_s=budget_s, progress=one_more_race)
         except ValueError as exc:
             raise InputError(str(exc)) from None
 

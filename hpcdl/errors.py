@@ -1,8 +1,15 @@
-"""The error every layer raises for input the user can fix (a job field, a data file, a plugin):
-the CLI prints its message as one line and exits 2. A leaf: it imports nothing of hpcdl."""
+"""The errors hpcdl's layers raise for the CLI to report: `HpcdlError`'s message is one line, and
+the CLI exits with its `exit_code` (2: input the user can fix, a job field, a data file, a run;
+1: a failure of the system, such as the scheduler's). A leaf: it imports nothing of hpcdl."""
 
 
-class JobError(ValueError):
+class HpcdlError(Exception):
+    """An error the CLI prints as its one-line message, exiting with `exit_code`."""
+
+    exit_code = 2
+
+
+class JobError(HpcdlError, ValueError):
     """A job file, override or input that cannot be used; the message names the field."""
 
 

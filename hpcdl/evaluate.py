@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.access import Access
+from hpcdl.errors import HpcdlError
 from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
 
 
-class EvaluateError(ValueError):
+class EvaluateError(HpcdlError, ValueError):
     """The path is not something that holds a trained model."""
 
 

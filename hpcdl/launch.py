@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from hpcdl.errors import HpcdlError
+
 # How a group's ranks talk: Gloo (TCP and an HTTP rendezvous hpcdl runs; no MPI needed) or MPI
 # (one MPI job per group, started by srun --mpi=<slurm.mpi> or, locally, mpirun; Horovod built
 # with MPI). Both are implemented here: RankEnv.to_horovod_env / to_mpi_env.
@@ -31,7 +33,7 @@ SUPERVISOR_PID_ENV = "HPCDL_SUPERVISOR_PID"  # set by the local backend in its c
 PR_SET_PDEATHSIG = 1
 
 
-class LaunchError(RuntimeError):
+class LaunchError(HpcdlError, RuntimeError):
     """The environment does not describe a rank; the message says what to fix."""
 
 

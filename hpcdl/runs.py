@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hpcdl.config import Job, job_from_dict
-from hpcdl.errors import JobError
+from hpcdl.errors import HpcdlError, JobError
 from hpcdl.files import atomic_write_bytes, read_regular
 from hpcdl.access import Access, AccessError, access_for_job
 from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
@@ -79,7 +79,7 @@ ENDED = frozenset({State.FINISHED, State.CANCELLED, State.FAILED, State.LOST, St
 FAILED = frozenset({State.FAILED, State.LOST, State.TIMEOUT})
 
 
-class RunError(ValueError):
+class RunError(HpcdlError, ValueError):
     """No such run, or a directory that is not a run."""
 
 

@@ -168,3 +168,17 @@ def test_an_os_error_from_a_workloads_data_check_is_one_line_naming_the_workload
     code, output = run_cli(runner, submit_args(hep_files, tmp_path / "runs", "--dry-run"))
     assert_usage_error(code, output, "the hep workload's check of the job's data failed: Unable to "
                                      "synchronously open file (file signature not found)")
+
+
+def test_every_error_the_cli_reports_has_one_base_and_its_exit_code():
+    from hpcdl.errors import HpcdlError, JobError
+    from hpcdl.evaluate import EvaluateError
+    from hpcdl.exchange import CorruptFile
+    from hpcdl.launch import LaunchError
+    from hpcdl.runs import RunError
+    from hpcdl.schedulers.base import SchedulerError
+    from hpcdl.workloads.common import DataFileError
+
+    for cls in (JobError, RunError, EvaluateError, LaunchError, CorruptFile, DataFileError):
+        assert issubclass(cls, HpcdlError) and cls.exit_code == 2, cls
+    assert issubclass(SchedulerError, HpcdlError) and SchedulerError.exit_code == 1

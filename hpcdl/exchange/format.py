@@ -21,6 +21,7 @@ import numpy as np
 
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
+from hpcdl.errors import HpcdlError
 from hpcdl.files import atomic_write
 from hpcdl.access import Access
 
@@ -59,7 +60,7 @@ _NONCE_BYTES = 16
 Tensors = Mapping[str, np.ndarray]
 
 
-class CorruptFile(ValueError):
+class CorruptFile(HpcdlError, ValueError):
     """A file that failed validation; the message is a one-line reason."""
 
 

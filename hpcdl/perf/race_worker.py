@@ -183,12 +183,43 @@ def sync_step_seconds(inputs, nodes: int, seed: int, draws: int = 256) -> float:
     return inputs.compute_seconds * float(slowest) + allreduce_seconds(inputs, nodes)
 
 
+def race_wall_seconds(workload, job, stats: dict[str, Any], score: Callable[[Arrays], float], steps: int,
+                      scores: int) -> tuple[float, float]:
+    """(this machine's wall seconds for one race of `steps` synchronous steps and `scores` scores,
+    of which a step): a step of `job`'s run.nodes ranks' batches and a score timed after their
+    traces. A race costs about that whatever its group count: every count computes the same
+    examples per emulated step."""
+    import time
+
+    job = dataclasses.replace(job, run=dataclasses.replace(job.run, group_size=0))  # one group of all
+    trainer = TfTrainer(workload, job, workload.input_shape(job), seed=job.train.seed)
+    (batches,) = group_batches(workload, job, stats, seed=job.train.seed)
+    try:
+        replica = trainer.initial()
+        trainer.step(replica, next(batches))
+        score(trainer.weights(replica))
+        started = time.perf_counter()
+        trainer.step(replica, next(batches))
+        step = time.perf_counter() - started
+        started = time.perf_counter()
+        score(trainer.weights(replica))
+        return steps * step + scores * (time.perf_counter() - started), step
+    finally:
+        batches.close()
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.0f} h"
+
+
 def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int, groups: list[int],
                   steps: int, race_seeds: int, tuning_seed: int, extend: int = 4, scores: int = 40,
-                  progress: Callable[[str], None] | None = None) -> AccuracyPlan:
+                  budget_s: float = 0.0, progress: Callable[[str], None] | None = None) -> AccuracyPlan:
     """Race `job`'s model on its data for each group count of `nodes` (emulated at `race_ranks`
     ranks, timed at `nodes` by the planner's model under `inputs`), for `steps` steps of the
-    synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend."""
+    synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend.
+    With `budget_s`, a plan this machine would take longer than that for is refused before it
+    starts (ValueError), its estimate from a measured step."""
     import tensorflow as tf
 
     from hpcdl.perf.accuracy import Run, race_groups, recommend
@@ -228,6 +259,16 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
         untrained.append(first)
         return Run(result.curve, result.stopped.startswith("not finite"))
 
+    if budget_s:
+        races = len(groups) * (3 + race_seeds)  # a sweep's three rates and the race seeds, each count
+        one, step = race_wall_seconds(workload, race_job(1, job.train.learning_rate, tuning_seed), stats, scorer,
+                                      steps, scores)
+        if races * one > budget_s:
+            raise ValueError(
+                f"racing {races} times {steps} steps of {race_ranks} ranks × {job.train.batch_per_rank} examples "
+                f"would take about {duration(races * one)} here ({step:.2g} s a step), over the budget of "
+                f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
+                f"smaller copy of the job (narrower model, smaller batch) and say so; --race-budget 0 races anyway")
     centres = {g: job.train.learning_rate if g == 1 else
                job.exchange.applier_learning_rate(job.train.learning_rate, g) for g in groups}
     outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hpcdl.config import Job
-from hpcdl.errors import JobError
+from hpcdl.errors import HpcdlError, JobError
 from hpcdl.runs import RunDir
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(HpcdlError, RuntimeError):
     """A submission, query or cancellation that failed; the message is for the user."""
+
+    exit_code = 1  # the scheduler failed, not the user's input
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tupl
 import numpy as np
 
 from hpcdl.files import atomic_path, atomic_paths
+from hpcdl.errors import HpcdlError
 
 if TYPE_CHECKING:
     import h5py
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 # data files
 
 
-class DataFileError(ValueError):
+class DataFileError(HpcdlError, ValueError):
     """A data file is missing, unreadable or not in the layout its reader expects.
 
     Each workload subclasses it as its ``DataError``; the message is one line naming the file.

@@ -132,6 +132,10 @@ def test_the_shipped_hep_job_races_its_own_network_on_its_data(job, tmp_path):
                       chunk_events=256)
     acc = race(hep, job / "quiet.toml", "loss=0.5", 60)
     assert "loss ≤ 0.5" in acc["target"] and any("2 emulated ranks of 16 examples" in b for b in acc["basis"])
+    # a plan this machine cannot race within the budget stops before it starts, saying what to lower
+    result = CliRunner().invoke(main, ["plan", hep, "--nodes", "8", "--inputs", str(job / "quiet.toml"), "--target",
+                                       "loss=0.5", "--race-ranks", "2", "--race-budget", "0.001"])
+    assert result.exit_code == 2 and "over the budget of 0.001 min: lower --race-steps" in result.output, result.output
 
 
 def test_the_shipped_climate_job_races_to_a_detection_map(job, tmp_path):
