@@ -5,9 +5,9 @@ HPCDL  := $(VENV)/bin/hpcdl
 DATA   ?= data/hep
 EVENTS ?= 25000
 NODES  ?= 2
-# One node per group: two groups and the applier on this machine, to show the hybrid mode. On 2 cores
-# without stragglers a synchronous group is likely the faster choice (the tuned race, README's
-# Figures: ~2x, at 8 emulated ranks): GROUP_SIZE=2 trains one synchronous group instead.
+# One node per group: two groups and the applier on this machine, to show the hybrid mode. Without
+# stragglers a synchronous group is as fast or faster (docs/results.md, "When groups pay"):
+# GROUP_SIZE=2 trains one synchronous group instead.
 GROUP_SIZE ?= 1
 STEPS  ?= 600
 # The paper's network is 128 filters wide (the job default); 32 keeps `make run` to minutes on 2 cores.
