@@ -68,8 +68,8 @@ def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list
     import numpy as np
     import tensorflow as tf
 
-    from hpcdl.applier.rules import RuleParams, make_rule
-    from hpcdl.config import load_job
+    from hpcdl.applier.rules import RuleParams, applier_learning_rate, make_rule
+    from hpcdl.jobfile import load_job
     from hpcdl.engine.optim import make_optimizer
     from hpcdl.engine.step import make_train_step
     from hpcdl.workloads import get_workload
@@ -89,7 +89,7 @@ def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list
                 for m, vs in zip(models, variables)]
     batches = [workload.train_batches(job, stats, g, count, seed=seed) for g in range(count)]
     applier = job.exchange
-    rule = make_rule(applier.optimizer, RuleParams(lr=applier.applier_learning_rate(job.train.learning_rate, groups),
+    rule = make_rule(applier.optimizer, RuleParams(lr=applier_learning_rate(applier, job.train.learning_rate, groups),
                                                    beta1=applier.momentum, momentum=applier.momentum))
     master = {n: v.numpy().copy() for n, v in zip(names, variables[0])}
     slots = {s: {n: np.zeros_like(w) for n, w in master.items()} for s in rule.slots}

@@ -72,7 +72,7 @@ class Race:
         self.scorers: dict = {}
 
     def job(self, ranks: int, groups: int, seed: int, rate: float):
-        from hpcdl.config import load_job
+        from hpcdl.jobfile import load_job
 
         field = "train.learning_rate" if groups == 1 else "exchange.learning_rate"
         return load_job("hep", [*(f'data.{k}="{v}"' for k, v in self.files.items()),

@@ -101,7 +101,7 @@ def aucs(data: dict[str, Path], filters: int, batch: int, steps: int, seeds: int
     import numpy as np
     import tensorflow as tf
 
-    from hpcdl.config import load_job
+    from hpcdl.jobfile import load_job
     from hpcdl.engine.optim import make_optimizer
     from hpcdl.engine.step import make_train_step
     from hpcdl.workloads.hep import metrics

@@ -32,7 +32,7 @@ def parity(data: dict[str, Path], steps: int, filters: int, batch: int, seed: in
     import numpy as np
     import tensorflow as tf
 
-    from hpcdl.config import load_job
+    from hpcdl.jobfile import load_job
     from hpcdl.engine.optim import make_optimizer
     from hpcdl.engine.step import make_train_step
     from hpcdl.workloads.hep import metrics

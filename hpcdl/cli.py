@@ -9,13 +9,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 
 from hpcdl import __version__
-from hpcdl.schedulers import BACKEND_CHOICES
-from hpcdl.perf import PLANNED_WORKLOADS
+from hpcdl.config import Backend, choices
 from hpcdl.workloads import names as workload_names
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
@@ -96,7 +96,7 @@ def main() -> None:
 # -- submit --------------------------------------------------------------------------------------
 @main.command()
 @click.argument("job")
-@click.option("--backend", type=click.Choice(list(BACKEND_CHOICES)), help="Where to run (default: the job's run.backend, auto: SLURM where sbatch is on PATH and the controller answers, else this machine).")
+@click.option("--backend", type=click.Choice(choices(Backend)), help="Where to run (default: the job's run.backend, auto: SLURM where sbatch is on PATH and the controller answers, else this machine).")
 @click.option("--nodes", type=click.IntRange(min=1), help="Nodes in total (run.nodes).")
 @click.option("--group-size", type=click.IntRange(min=0), help="Nodes per synchronous group; must divide --nodes (run.group_size, 0 = one group).")
 @click.option("--ranks-per-node", type=click.IntRange(min=1), help="Horovod ranks per node (run.ranks_per_node).")
@@ -114,24 +114,28 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
     """
     from hpcdl.submit import prepare, submit_run
 
-    cli_overrides = list(overrides)
-    for key, value in (("run.backend", backend and f'"{backend}"'), ("run.nodes", nodes),
-                       ("run.group_size", group_size), ("run.ranks_per_node", ranks_per_node),
-                       ("run.runs_dir", runs_dir and json.dumps(str(runs_dir))),
-                       ("run.check_data", "false" if no_check_data else None)):
-        if value is not None:
-            cli_overrides.append(f"{key}={value}")
+    settings = _settings({"run.backend": backend, "run.nodes": nodes, "run.group_size": group_size,
+                          "run.ranks_per_node": ranks_per_node, "run.runs_dir": runs_dir and str(runs_dir),
+                          "run.check_data": False if no_check_data else None})
     from hpcdl.display import ScanProgress
 
     with ScanProgress(err) as scan:
-        prepared = prepare(job, cli_overrides, on_note=lambda note: err.print(note, soft_wrap=True, markup=False),
-                           progress=scan)
+        prepared = prepare(job, list(overrides), settings, on_note=_print_note, progress=scan)
     if dry_run:
         text = prepared.dryrun.render()
         _emit_json({"backend": prepared.scheduler.name, "files": prepared.dryrun.files,
                     "commands": prepared.dryrun.commands}) if as_json else click.echo(text, nl=False)
         return
     _start_and_report(prepared.job, lambda **kw: submit_run(prepared, **kw), detach, as_json)
+
+
+def _settings(options: dict[str, Any]) -> dict[str, Any]:
+    """The job fields the command's own options set: those given."""
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _print_note(note: str) -> None:
+    err.print(note, soft_wrap=True, markup=False)
 
 
 def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
@@ -175,7 +179,7 @@ def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
 @click.argument("run")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Change a job field for the rest of the run, e.g. --set train.steps=2000 (repeatable).")
-@click.option("--backend", type=click.Choice(list(BACKEND_CHOICES)), help="Where to run it now (run.backend).")
+@click.option("--backend", type=click.Choice(choices(Backend)), help="Where to run it now (run.backend).")
 @click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
 @click.option("--no-check-data", is_flag=True, help="Do not open the data files now (run.check_data = false).")
 @click.option("--detach", is_flag=True, help="Local backend: run in the background and return at once.")
@@ -187,16 +191,12 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
     from hpcdl.resume import prepare_resume, resume_run
     from hpcdl.runs import find_run
 
-    cli_overrides = list(overrides)
-    if backend:
-        cli_overrides.append(f'run.backend="{backend}"')
-    if no_check_data:
-        cli_overrides.append("run.check_data=false")
+    settings = _settings({"run.backend": backend, "run.check_data": False if no_check_data else None})
     from hpcdl.display import ScanProgress
 
     with ScanProgress(err) as scan:
-        prepared = prepare_resume(find_run(run, runs_dir), cli_overrides,
-                                  on_note=lambda note: err.print(note, soft_wrap=True, markup=False), progress=scan)
+        prepared = prepare_resume(find_run(run, runs_dir), list(overrides), settings, on_note=_print_note,
+                                  progress=scan)
     _start_and_report(prepared.job, lambda **kw: resume_run(prepared, **kw), detach, as_json)
 
 
@@ -510,118 +510,57 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     for hep, its network's FLOPs and size are counted from the model it builds (from its data's
     shape). With --from-run the stragglers are measured: a short synchronous run of the job shows them. With --target the
     time to accuracy decides: the job's model races on its data for every group count."""
-    from hpcdl.config import resolve_job_path
-    from hpcdl.display import paper_check_text, plan_view
-    from hpcdl.perf.planner import PlanInputs, paper_check, plan as make_plan, with_job_exchange
+    from hpcdl.display import accuracy_view, paper_check_text, plan_view
+    from hpcdl.perf.command import PlanRequest, make_plan
+    from hpcdl.perf.planner import paper_check
+    from hpcdl.runs import find_run
 
-    resolve_job_path(workload)  # a job of jobs/ by name (hep, climate) or a .toml file
-    if inputs_spec and node_flops:
-        raise InputError("give --inputs or --node-flops, not both")
-    fitted = None
-    if from_run:  # before the measurement below: a run without step times fails at once
-        from hpcdl.perf.stragglers import TooFewSteps, fit_run
-        from hpcdl.runs import find_run
-
-        try:
-            fitted = fit_run(find_run(from_run, runs_dir))
-        except TooFewSteps as exc:
-            raise InputError(str(exc)) from None
-    source = "--node-flops"
-    if not inputs_spec and not node_flops:
-        from hpcdl.perf.measure import measure_in_subprocess
-
-        err.print("measuring this machine's HEP training step (about 30 s; --node-flops skips this)")
-        try:
-            here = measure_in_subprocess()
-        except RuntimeError as exc:
-            raise click.ClickException(str(exc)) from None
-        node_flops = here["node_flops"]
-        source = (f"measured here: best of {here['steps']} HEP steps, batch {here['batch']} at "
-                  f"{here['image']}², {here['threads']}")
     try:
-        inputs = PlanInputs.load(inputs_spec) if inputs_spec else PlanInputs.measured_here(node_flops, source=source)
-        inputs = with_job_exchange(inputs, workload, overrides, whole_section=not inputs_spec)
-        if workload not in PLANNED_WORKLOADS:
-            inputs = _with_job_network(inputs, workload)
-        if fitted is not None:
-            inputs = fitted.applied_to(inputs, f"run {from_run}")
-        counts = [int(c) for c in group_counts.split(",")] if group_counts else None
-        aim = _accuracy_target(target, race_ranks, nodes, counts) if target else None
-        result = make_plan(inputs, nodes, counts, seed=seed, staleness_bound=staleness_bound,
-                           max_utilisation=max_applier_util, max_exchange_share=max_exchange_share)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    accuracy = (_plan_accuracy(workload, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds,
-                               race_budget * 60, *aim) if aim else None)
+        counts = tuple(int(c) for c in group_counts.split(",")) if group_counts else ()
+    except ValueError:
+        raise InputError(f"--groups must be comma-separated integers, got {group_counts!r}") from None
+    request = PlanRequest(workload, nodes, inputs_spec or "", node_flops, counts, tuple(overrides),
+                          staleness_bound, max_applier_util, max_exchange_share,
+                          find_run(from_run, runs_dir) if from_run else None, seed, target or "",
+                          race_ranks, race_steps, race_seeds, race_budget * 60)
+    with _RaceProgress() as progress:
+        outcome = make_plan(request, note=_print_note, race_progress=progress.start)
     if as_json:
-        _emit_json({**result.to_dict(), **({"stragglers": fitted.to_dict()} if fitted else {}),
-                    **({"accuracy": accuracy.to_dict()} if accuracy else {})})
+        _emit_json(outcome.to_dict())
         return
-    if fitted is not None:
-        console.print(fitted.describe(), markup=False)
-    console.print(plan_view(result))
-    if accuracy is not None:
-        from hpcdl.display import accuracy_view
-
-        console.print(accuracy_view(accuracy))
+    if outcome.stragglers is not None:
+        console.print(outcome.stragglers.describe(), markup=False)
+    console.print(plan_view(outcome.plan))
+    if outcome.accuracy is not None:
+        console.print(accuracy_view(outcome.accuracy))
     if inputs_spec == "paper":
         console.print("\n" + paper_check_text(paper_check(seed=seed)))
 
 
-def _accuracy_target(text: str, race_ranks: int, nodes: int, counts):
-    """--target parsed, and the group counts the race can emulate (dividing both sizes)."""
-    from hpcdl.perf.accuracy import Target
+class _RaceProgress:
+    """The races' progress bar, shown once plan knows how many races it runs."""
 
-    aim = Target.parse(text)
-    candidates = counts or [g for g in range(1, race_ranks + 1) if race_ranks % g == 0]
-    groups = [g for g in candidates if race_ranks % g == 0 and nodes % g == 0]
-    if not groups:
-        raise ValueError(f"no group count divides both --race-ranks {race_ranks} and --nodes {nodes}")
-    return aim, groups
+    def __init__(self):
+        self.progress = None
 
+    def start(self, races: int):
+        from hpcdl.display import counting_progress
 
-def _plan_accuracy(job_ref, overrides, inputs, nodes, seed, race_ranks, race_steps, race_seeds, budget_s, aim,
-                   groups):
-    from hpcdl.config import load_job
-    from hpcdl.display import counting_progress
-    from hpcdl.perf.race_worker import plan_accuracy
-    from hpcdl.workloads import get_workload
+        self.progress, task = counting_progress(err, "racing", races)
+        self.progress.start()
 
-    job = load_job(job_ref, list(overrides))  # the exchange the plan models is the one raced
-    progress, task = counting_progress(err, "racing", len(groups) * (3 + race_seeds))
+        def one_more_race(_what: str) -> None:  # a sweep extended past its grid's edge adds races
+            done = self.progress.tasks[task].completed + 1
+            self.progress.update(task, completed=done, total=max(self.progress.tasks[task].total, done))
 
-    def one_more_race(_what: str) -> None:  # a sweep extended past its grid's edge adds races
-        done = progress.tasks[task].completed + 1
-        progress.update(task, completed=done, total=max(progress.tasks[task].total, done))
+        return one_more_race
 
-    with progress:
-        try:
-            return plan_accuracy(get_workload(job.workload), job, inputs, nodes, aim, race_ranks=race_ranks,
-                                 groups=groups, steps=race_steps, race_seeds=race_seeds, tuning_seed=100 + seed,
-                                 budget_s=budget_s, progress=one_more_race)
-        except ValueError as exc:
-            raise InputError(str(exc)) from None
+    def __enter__(self):
+        return self
 
-
-def _with_job_network(inputs, job_ref: str):
-    """The planner's inputs with the FLOPs per example and the size of the job's own network,
-    saying how they were counted (the model's own count, or TensorFlow's cost analysis)."""
-    from hpcdl.config import load_job, resolve_job_path
-    from hpcdl.workloads import get_workload
-
-    job = load_job(job_ref)
-    workload = get_workload(job.workload)
-    name = resolve_job_path(job_ref).name
-    counted = getattr(workload, "network_cost_and_source", None)
-    if counted is not None:
-        flops, how, params = counted(job)
-    else:
-        (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
-    where = f"job {name}: the {job.workload} network at its data's shape"
-    return inputs.with_sourced({"flops_per_example": (float(flops), f"{where}, FLOPs by {how}"),
-                                "model_bytes": (float(params * 4), f"{where}, {params:,} fp32 parameters"),
-                                "batch_per_node": (job.train.batch_per_rank * job.run.ranks_per_node,
-                                                   f"job {name}: train.batch_per_rank × run.ranks_per_node")})
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.stop()
 
 
 # -- doctor / completion --------------------------------------------------------------------------
@@ -629,11 +568,9 @@ def _with_job_network(inputs, job_ref: str):
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json):
     """Report versions, how Horovod was built, oneDNN, and the thread settings a rank would use."""
-    from hpcdl.doctor import RankSetup, report
+    from hpcdl.doctor import report_here
 
-    setup = RankSetup.here()
-    os.environ.update(setup.plan.environment())  # before TensorFlow loads, as a worker does
-    info = report(setup)
+    info = report_here()
     if as_json:
         _emit_json(info)
         return

@@ -1,13 +1,11 @@
-"""Job files: TOML in, validated frozen dataclasses out.
+"""The job's schema: validated frozen dataclasses, and every choice a field takes.
 
-A job file names a workload and holds its sections. Common sections (`run`, `train`, `exchange`,
-`tuning`, `slurm`) are declared here; `data` and `model` are declared by the workload, so the
-engine and the schedulers never see workload-specific fields. Every value a user can set is a
-typed dataclass field: `--set section.key=value` is parsed as a TOML value and checked against the
-field's type, and an unknown key is an error that names it.
-
-Just over 500 lines: each section keeps its rules beside its fields (the reference page reads
-both from here), and the one parser of values stays with them.
+A job names a workload and holds its sections. Common sections (`run`, `train`, `exchange`,
+`tuning`, `slurm`, `emulate`) are declared here; `data` and `model` are declared by the workload,
+so the engine and the schedulers never see workload-specific fields. Every value a user can set is
+a typed dataclass field, a choice a `Literal`: `--set section.key=value` is parsed as a TOML value
+and checked against the field's type, and an unknown key is an error that names it. Reading a job
+file is hpcdl.jobfile's; this module is the bottom of the import graph and imports only the errors.
 """
 
 from __future__ import annotations
@@ -18,20 +16,31 @@ import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import tomli_w
 
-from hpcdl.engine import CONV_WEIGHT_GRADS, TRAIN_OPTIMIZERS
 from hpcdl.errors import JobError
-from hpcdl.exchange import DELTA_DTYPES, EXCHANGE_KINDS
-from hpcdl.files import read_regular
-from hpcdl.launch import CONTROLLERS
-from hpcdl.resources import shipped_dir
-from hpcdl.schedulers import BACKEND_CHOICES
 
-JOBS_DIR = shipped_dir("jobs")
+# Every choice a job field takes, declared once: validation, the CLI's options and the generated
+# reference read them from the field's type, and each registry's test checks that its table
+# implements every name (tests/test_choices.py).
+Backend = Literal["auto", "local", "slurm"]  # auto: SLURM where it answers, else this machine
+Controller = Literal["gloo", "mpi"]  # how a group's ranks talk (hpcdl.launch)
+TrainOptimizer = Literal["adam", "sgd"]  # hpcdl.engine.TRAIN_OPTIMIZERS
+UpdateRuleName = Literal["sgd", "momentum", "adam", "nesterov"]  # hpcdl.applier.rules.UPDATE_RULES
+StalePolicy = Literal["drop", "downweight"]
+ExchangeKind = Literal["gradient", "delta"]  # what an update holds (hpcdl.exchange)
+ExchangeEnabled = Literal["auto", "on", "off"]
+DeltaDtype = Literal["float32", "float16"]
+Precision = Literal["float32", "bfloat16", "mixed_bfloat16"]
+ConvWeightGrad = Literal["auto", "tensorflow", "gemm"]  # auto: hpcdl.engine.tuning's rule per CPU
+SlurmSignal = Literal["USR1", "USR2", "TERM", "INT", "HUP"]
+
+
+def choices(literal: Any) -> tuple[str, ...]:
+    """The names a Literal field type allows, in their declared order."""
+    return typing.get_args(literal)
 
 
 MAX_SHARDS = 256  # appliers of one run; far beyond where one file per shard per exchange pays
@@ -52,13 +61,13 @@ class RunConfig:
     nodes: int = 1  # nodes in all (--nodes)
     group_size: int = 0  # 0: all nodes form one synchronous group
     ranks_per_node: int = 1  # Horovod ranks per node, sharing its cores
-    backend: str = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
+    backend: Backend = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
     runs_dir: str = "runs"  # where run directories are made; on a cluster, a file system every node sees
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     check_finite: bool = True  # false: skip the NaN/Inf scan of data.train and data.val (it reads every value once)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
-    controller: str = "gloo"  # how a group's ranks talk (hpcdl.launch.CONTROLLERS)
+    controller: Controller = "gloo"  # how a group's ranks talk (hpcdl.launch)
 
     def validate(self) -> None:
         check_plain_text("run.runs_dir", self.runs_dir)
@@ -74,8 +83,6 @@ class RunConfig:
             raise JobError(
                 f"run.group_size {self.group_size} does not divide run.nodes {self.nodes}"
             )
-        _choice("run.backend", self.backend, BACKEND_CHOICES)
-        _choice("run.controller", self.controller, CONTROLLERS)
 
     @property
     def nodes_per_group(self) -> int:
@@ -98,7 +105,7 @@ class TrainConfig:
 
     steps: int = 300  # training steps of each group
     batch_per_rank: int = 128  # examples per rank and step; a group's batch is this times its ranks
-    optimizer: str = "adam"  # the groups' own (inner) optimizer (hpcdl.engine.optim)
+    optimizer: TrainOptimizer = "adam"  # the groups' own (inner) optimizer (hpcdl.engine.optim)
     learning_rate: float = 1e-3  # the inner optimizer's; the applier's default derives from it
     seed: int = 0  # the weights' initialisation and the order of the training data
     log_every: int = 10  # steps between metrics lines (groups/<g>/metrics.jsonl) and state updates
@@ -116,7 +123,6 @@ class TrainConfig:
             raise JobError(f"train.validate_every must be >= 0 (0: no validation), got {self.validate_every}")
         if not self.final_save_retry_s >= 0:
             raise JobError(f"train.final_save_retry_s must be >= 0, got {self.final_save_retry_s}")
-        _choice("train.optimizer", self.optimizer, tuple(TRAIN_OPTIMIZERS))
         if not self.learning_rate > 0:
             raise JobError(f"train.learning_rate must be > 0, got {self.learning_rate}")
 
@@ -131,11 +137,11 @@ class ExchangeConfig:
     :mod:`hpcdl.exchange`'s docstring and :mod:`hpcdl.applier.rules`.
     """
 
-    enabled: str = "auto"  # auto: on when there is more than one group
+    enabled: ExchangeEnabled = "auto"  # auto: on when there is more than one group
     directory: str = ""  # empty: <run>/exchange; a Lustre path on a cluster
-    kind: str = "gradient"  # gradient: the paper's; delta: local steps, then the weights' delta
+    kind: ExchangeKind = "gradient"  # gradient: the paper's; delta: local steps, then the weights' delta
     every: int = 1  # gradient: publish every N-th step's gradient; delta: H local steps per delta
-    optimizer: str = "adam"  # the applier's update rule (hpcdl.applier.rules)
+    optimizer: UpdateRuleName = "adam"  # the applier's update rule (hpcdl.applier.rules)
     learning_rate: float = 0.0  # 0: from the number of groups (applier_learning_rate)
     momentum: float = 0.9  # momentum's and nesterov's μ, adam's β1
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
@@ -143,9 +149,9 @@ class ExchangeConfig:
     max_outstanding: int = 2  # K: at most K unanswered updates a group (after the warm-up); 0: a root never waits
     warmup_steps: int = 50  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
     reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
-    delta_dtype: str = "float32"  # delta: float16 halves the bytes exchanged
+    delta_dtype: DeltaDtype = "float32"  # delta: float16 halves the bytes exchanged
     max_staleness: int = 16  # master versions an update may be behind; staler ones meet stale_policy
-    stale_policy: str = "drop"  # drop: deleted unapplied; downweight: applied at lr / (1 + staleness)
+    stale_policy: StalePolicy = "drop"  # drop: deleted unapplied; downweight: applied at lr / (1 + staleness)
     keep_versions: int = 3  # newest master weights versions kept in the exchange directory
     max_pending_per_group: int = 16  # twice the applier's batch: a keeping-up applier loses none
     drop_held_updates: bool = False  # a full disk: true drops a root's oldest held update past that bound; false waits for space
@@ -153,14 +159,6 @@ class ExchangeConfig:
 
     def validate(self) -> None:
         check_plain_text("exchange.directory", self.directory)
-        from hpcdl.applier.rules import STALE_POLICIES, UPDATE_RULES
-
-        if self.enabled not in ("auto", "on", "off"):
-            raise JobError(f"exchange.enabled must be auto, on or off, got {self.enabled!r}")
-        _choice("exchange.kind", self.kind, EXCHANGE_KINDS)
-        _choice("exchange.optimizer", self.optimizer, tuple(UPDATE_RULES))
-        _choice("exchange.stale_policy", self.stale_policy, STALE_POLICIES)
-        _choice("exchange.delta_dtype", self.delta_dtype, DELTA_DTYPES)
         _positive("exchange.every", self.every)
         _positive("exchange.keep_versions", self.keep_versions)
         _positive("exchange.max_pending_per_group", self.max_pending_per_group)
@@ -184,12 +182,6 @@ class ExchangeConfig:
 
     def active(self, groups: int) -> bool:
         return self.enabled == "on" or (self.enabled == "auto" and groups > 1)
-
-    def applier_learning_rate(self, train_learning_rate: float, groups: int) -> float:
-        """The applier's rate: the job's, or the update rule's default for this kind and groups."""
-        from hpcdl.applier.rules import UPDATE_RULES
-
-        return self.learning_rate or UPDATE_RULES[self.optimizer].default_rate(self.kind, train_learning_rate, groups)
 
     @property
     def shard_count(self) -> int:
@@ -243,10 +235,6 @@ class EmulateConfig:
             raise JobError(f"emulate.seed must be >= 0, got {self.seed}")
 
 
-PRECISION_CHOICES = ("float32", "bfloat16", "mixed_bfloat16")
-CONV_WEIGHT_GRAD_CHOICES = ("auto", *CONV_WEIGHT_GRADS)  # auto: hpcdl.engine.tuning's rule per CPU
-
-
 @dataclass(frozen=True)
 class TuningConfig:
     """CPU settings applied before TensorFlow starts; 0 means derive from the cores a rank owns."""
@@ -259,20 +247,15 @@ class TuningConfig:
     # "bfloat16": oneDNN's BF16 math mode on the float32 model (float32 where the CPU has no
     # bfloat16 unit); "mixed_bfloat16": bfloat16 activations with float32 weights and loss, for a
     # workload that computes in bfloat16 (hep, keras), refused where the CPU has no bfloat16 unit
-    precision: str = "float32"
+    precision: Precision = "float32"
     # "tensorflow" (oneDNN's kernel) or "gemm" (matmuls) for a convolution's weight gradient in
     # hpcdl's own layers; "auto": hpcdl.engine.tuning's rule for the CPU
-    conv_weight_grad: str = "auto"
+    conv_weight_grad: ConvWeightGrad = "auto"
 
     def validate(self) -> None:
         for name in ("intra_op_threads", "inter_op_threads", "kmp_blocktime"):
             if getattr(self, name) < 0:
                 raise JobError(f"tuning.{name} must be >= 0, got {getattr(self, name)}")
-        _choice("tuning.precision", self.precision, PRECISION_CHOICES)
-        _choice("tuning.conv_weight_grad", self.conv_weight_grad, CONV_WEIGHT_GRAD_CHOICES)
-
-
-SLURM_STOP_SIGNALS = ("USR1", "USR2", "TERM", "INT", "HUP")
 
 
 @dataclass(frozen=True)
@@ -287,7 +270,7 @@ class SlurmConfig:
     time: str = "01:00:00"  # #SBATCH --time of each job; a group near it checkpoints and requeues
     cpus_per_task: int = 0  # #SBATCH --cpus-per-task (0: the site's default)
     signal_seconds: int = 120  # how long before the time limit `signal` arrives
-    signal: str = "USR1"  # what SLURM sends the batch shell signal_seconds before the limit
+    signal: SlurmSignal = "USR1"  # what SLURM sends (named without SIG) the batch shell signal_seconds before the limit
     extra_sbatch: list[str] = field(default_factory=list)  # further #SBATCH lines, e.g. "--exclusive"
     setup: list[str] = field(default_factory=list)  # shell lines before the ranks, e.g. "module load python"
     template_dir: str = ""  # a site's copy of slurm_templates/ (empty: the shipped ones)
@@ -303,9 +286,6 @@ class SlurmConfig:
             raise JobError(f"slurm.cpus_per_task must be >= 0, got {self.cpus_per_task}")
         if self.signal_seconds < 0:
             raise JobError(f"slurm.signal_seconds must be >= 0, got {self.signal_seconds}")
-        if self.signal not in SLURM_STOP_SIGNALS:
-            raise JobError(f"slurm.signal must be one of {', '.join(SLURM_STOP_SIGNALS)} "
-                           f"(without SIG), got {self.signal!r}")
 
 
 COMMON_SECTIONS: dict[str, type] = {
@@ -346,55 +326,15 @@ class Job:
         return dataclasses.replace(self, **sections)
 
 
-def resolve_job_path(name_or_path: str) -> Path:
-    """A job is found by name in jobs/ (`hep`), or given as a path to a TOML file."""
-    path = Path(name_or_path)
-    if path.suffix == ".toml" or path.parent != Path("."):
-        if not path.is_file():
-            raise JobError(f"job file not found: {path}")
-        return path
-    candidate = JOBS_DIR / f"{name_or_path}.toml"
-    if not candidate.is_file():
-        known = ", ".join(sorted(p.stem for p in JOBS_DIR.glob("*.toml"))) or "none"
-        raise JobError(f"unknown job {name_or_path!r} (known jobs: {known}; or give a path to a .toml file)")
-    return candidate
-
-
-def load_job(name_or_path: str, overrides: Mapping[str, str] | list[str] = ()) -> Job:
-    """Read a job file, apply `section.key=value` overrides, validate, and freeze."""
-    path = resolve_job_path(name_or_path)
-    try:
-        raw = tomllib.loads(read_regular(path).decode("utf-8"))
-    except OSError as exc:
-        raise JobError(f"cannot read job file {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise JobError(f"cannot read job file {path}: {exc}") from None
-    raw.setdefault("name", path.stem)
-    for key, value in _split_overrides(overrides):
-        _apply_override(raw, key, value)
-    job = job_from_dict(raw)
-    # Code a job file names beside itself (a Keras builder file) is found from the job file's
-    # directory, and job.toml keeps the absolute path, so every rank and `resume` find it too.
-    resolved = {section: getattr(job, section).resolved(path.parent) for section in ("data", "model")
-                if hasattr(getattr(job, section), "resolved")}
-    return job.replace(**resolved) if resolved else job
-
-
-def job_from_dict(raw: Mapping[str, Any], *, workload_code: bool = True) -> Job:
-    """The job a parsed job file describes. `workload_code=False` leaves `[data]` and `[model]`
-    the plain tables they are, without loading the workload, for what only watches or stops a
-    run (status, cancel) from a shell where the workload's package may not be installed."""
-    from hpcdl.workloads import get_workload  # workloads import config; avoid the cycle at import
-
+def build_job(raw: Mapping[str, Any], data_config: type | None = None, model_config: type | None = None) -> Job:
+    """The job a parsed job file describes, `[data]` and `[model]` built as the workload's classes
+    (hpcdl.jobfile finds them), or kept the plain tables they are when a class is None."""
     raw = dict(raw)
     workload_name = raw.pop("workload", None)
     if not isinstance(workload_name, str):
         raise JobError("the job file must name its workload, e.g. workload = \"hep\"")
     name = str(raw.pop("name", workload_name))
-    sections: dict[str, Any] = {"data": None, "model": None, **COMMON_SECTIONS}
-    if workload_code:
-        workload = get_workload(workload_name)
-        sections.update(data=workload.DataConfig, model=workload.ModelConfig)
+    sections: dict[str, Any] = {"data": data_config, "model": model_config, **COMMON_SECTIONS}
     unknown = set(raw) - set(sections)
     if unknown:
         raise JobError(f"unknown section(s) in job: {', '.join(sorted(unknown))}")
@@ -405,35 +345,6 @@ def job_from_dict(raw: Mapping[str, Any], *, workload_code: bool = True) -> Job:
         if hasattr(value, "validate"):
             value.validate()
     return job
-
-
-def _split_overrides(overrides: Mapping[str, str] | list[str]) -> list[tuple[str, str]]:
-    if isinstance(overrides, Mapping):
-        return list(overrides.items())
-    pairs = []
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise JobError(f"--set expects section.key=value, got {item!r}")
-        pairs.append((key.strip(), value.strip()))
-    return pairs
-
-
-def _apply_override(raw: dict[str, Any], key: str, text: str) -> None:
-    section, dot, field_name = key.partition(".")
-    if not dot or not field_name:
-        raise JobError(f"--set key must be section.key (e.g. train.steps), got {key!r}")
-    raw.setdefault(section, {})
-    if not isinstance(raw[section], dict):
-        raise JobError(f"{section} is not a section")
-    field_name, dot, key_in_table = field_name.partition(".")
-    if dot:  # a key of a table field, e.g. model.args.units=64 (a Keras builder's argument)
-        table = raw[section].setdefault(field_name, {})
-        if not isinstance(table, dict) or not key_in_table:
-            raise JobError(f"--set {key}: {section}.{field_name} is not a table")
-        table[key_in_table] = CommandLineValue(text)
-        return
-    raw[section][field_name] = CommandLineValue(text)
 
 
 @dataclass(frozen=True)
@@ -448,7 +359,7 @@ class CommandLineValue:
             value = tomllib.loads(f"v = {self.text}")["v"]
         except tomllib.TOMLDecodeError:
             return self.text
-        if hint is str and not isinstance(value, str):
+        if (hint is str or typing.get_origin(hint) is Literal) and not isinstance(value, str):
             return self.text
         return value
 
@@ -481,6 +392,10 @@ def _build_section(section: str, cls: type, values: Any) -> Any:
 
 def _coerce(name: str, hint: Any, value: Any) -> Any:
     origin = typing.get_origin(hint)
+    if origin is Literal:
+        if not isinstance(value, str) or value not in choices(hint):
+            raise JobError(f"{name} must be one of {', '.join(choices(hint))}; got {value!r}")
+        return value
     if origin is list:
         (item_type,) = typing.get_args(hint)
         if not isinstance(value, list):
@@ -510,11 +425,6 @@ def _coerce(name: str, hint: Any, value: Any) -> Any:
             raise JobError(f"{name} must be a string, got {value!r}")
         return value
     return value
-
-
-def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise JobError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def _positive(name: str, value: int) -> None:

@@ -46,6 +46,14 @@ class RankSetup:
         return cls(cpu, mask, quota, usable, ranks_on_host, plan)
 
 
+def report_here() -> dict[str, Any]:
+    """`hpcdl doctor`: this process set up as a rank would be, before TensorFlow loads, then
+    reported."""
+    setup = RankSetup.here()
+    os.environ.update(setup.plan.environment())
+    return report(setup)
+
+
 def report(setup: RankSetup) -> dict[str, Any]:
     """A flat, ordered dict (rendered as a two-column table by the CLI, or as JSON).
 

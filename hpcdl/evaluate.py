@@ -63,7 +63,7 @@ def resolve_checkpoint(path: Path) -> tuple[Path, RunDir | None]:
 def _check_manifest(path: Path) -> None:
     """A torn, edited or foreign manifest is one line naming it, before TensorFlow loads anything."""
     from hpcdl.errors import JobError
-    from hpcdl.config import job_from_dict
+    from hpcdl.jobfile import job_from_dict
 
     manifest = read_json_file(path)
     shape = manifest.get("input_shape") if isinstance(manifest, dict) else None
@@ -106,7 +106,7 @@ def load_trained(path: Path, master: bool = True) -> Trained:
     if run is not None and master:
         job = run.load_job()
         if job.exchange.active(job.run.groups):
-            from hpcdl.exchange.group import adopt_master_weights
+            from hpcdl.run_exchange import adopt_master_weights
 
             version = adopt_master_weights(run, job, model)
             if version is not None:
@@ -133,7 +133,7 @@ def evaluate(path: Path, data: Path | None, out_dir: Path | None = None,
         raise EvaluateError(f"data file not found: {data}" if not data.is_dir()
                             else f"data: {data} is a directory, not a data file")
     if check_finite:
-        from hpcdl.config import job_from_dict
+        from hpcdl.jobfile import job_from_dict
         from hpcdl.workloads.finite import check_file
 
         check_file(data, workload.finite_datasets(job_from_dict(manifest["job"]).data), progress=scan_progress)

@@ -24,10 +24,9 @@ from typing import Callable, Mapping
 
 from hpcdl.errors import HpcdlError
 
-# How a group's ranks talk: Gloo (TCP and an HTTP rendezvous hpcdl runs; no MPI needed) or MPI
-# (one MPI job per group, started by srun --mpi=<slurm.mpi> or, locally, mpirun; Horovod built
-# with MPI). Both are implemented here: RankEnv.to_horovod_env / to_mpi_env.
-CONTROLLERS = ("gloo", "mpi")
+# How a group's ranks talk (config.Controller): Gloo (TCP and an HTTP rendezvous hpcdl runs; no
+# MPI needed) or MPI (one MPI job per group, started by srun --mpi=<slurm.mpi> or, locally,
+# mpirun; Horovod built with MPI). Both are implemented here: RankEnv.to_horovod_env / to_mpi_env.
 RENDEZVOUS_PORT_ENV = "HOROVOD_GLOO_RENDEZVOUS_PORT"  # known only once a group's rendezvous started
 SUPERVISOR_PID_ENV = "HPCDL_SUPERVISOR_PID"  # set by the local backend in its children's environment
 PR_SET_PDEATHSIG = 1

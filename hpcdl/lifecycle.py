@@ -6,7 +6,9 @@ decide from their exit codes and the marks what happened: finished, stopped (and
 backend can, requeued to go on), or crashed -- then restarted from the newest checkpoint while
 ``run.max_restarts`` allows, or failed with the reason. The appliers' life is the same over their
 shards: a crashed shard is started again from its durable state; a stop request makes each commit
-and exit with ``EXIT_REQUEUE``.
+and exit with ``EXIT_REQUEUE``. The run ends for its appliers when its groups are over
+(``groups_over``): then they apply what is pending and end by themselves (``ApplierLife.drain``
+on the local backend; under SLURM, once the group array has left the queue).
 
 The backends differ only in how they start processes and how they go on after a stop or a crash,
 which they pass in: the local backend restarts a crashed group in place and has no requeue; a SLURM
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from hpcdl.files import read_regular
-from hpcdl.runs import RunDir, State, write_json_atomic
+from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
 
 # Exit codes of the processes a life watches, and of the life itself.
 EXIT_OK = 0
@@ -48,6 +50,41 @@ EXIT_REQUEUE = 75  # EX_TEMPFAIL: stopped on request after a commit, to be conti
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between a crash and the restart in place
 STOP_GRACE_S = 60.0  # asked to stop, a group's ranks finish their step and checkpoint first
 APPLIER_STOP_GRACE_S = 30.0  # an applier commits the update in progress, then exits
+APPLIER_DRAIN_S = 600.0  # after the last group, the appliers apply what is pending and end
+FULL_DISK_GRACE_S = 30.0  # after the last group, how long a full disk may hold the appliers back
+
+
+def worker_command(python: str, run: RunDir) -> list[str]:
+    """A rank's process (hpcdl.worker), on either backend."""
+    return [python, "-m", "hpcdl.worker", str(run.root)]
+
+
+def applier_command(python: str, run: RunDir, shard: int = 0, *, slurm_array: bool = False) -> list[str]:
+    """Shard `shard`'s applier; `slurm_array`: it also ends once SLURM holds no element of the
+    run's group array (the SLURM backend's applier job)."""
+    return [*worker_command(python, run), "--applier", *(["--shard", str(shard)] if shard else []),
+            *(["--slurm-array"] if slurm_array else [])]
+
+
+def groups_over(run: RunDir, groups: int, array_gone: Callable[[], bool] | None = None) -> bool:
+    """Whether the run's groups are over, for its appliers, on either backend: every group
+    finished, the local supervisor marked them ended (ApplierLife.drain), or SLURM holds no
+    element of the group array any more (`array_gone`, the SLURM backend's applier job)."""
+    return (groups_finished(run, groups) or run.groups_ended_mark.exists()
+            or (array_gone is not None and array_gone()))
+
+
+def groups_finished(run: RunDir, groups: int) -> bool:
+    """Every group of the run says it finished (a missing, torn or binary state: not)."""
+    for g in range(groups):
+        try:
+            state = json.loads(run.group_state_file(g).read_bytes())
+        except (OSError, ValueError):  # a rank rewrites it
+            return False
+        if not isinstance(state, dict) or state.get("state") != State.FINISHED:
+            return False
+    return True
+
 
 
 class Processes(Protocol):
@@ -508,6 +545,25 @@ class ApplierLife:
             else:
                 self.requeue("committed")
         return EXIT_OK
+
+    def drain(self, stopping: Callable[[], bool], tick: Callable[[], None], interval: float) -> None:
+        """Every group has ended: the appliers apply what is pending and end by themselves,
+        told by the run's groups-ended mark (groups_over), rather than stop with updates pending
+        (one may be waiting out a full disk). Bounded by APPLIER_DRAIN_S and by `stopping()`."""
+        start = self.clock()
+        marked = False
+        while self.poll(groups_active=False) and not stopping() and self.clock() < start + APPLIER_DRAIN_S:
+            if not marked:
+                try:
+                    write_bytes_atomic(self.run.groups_ended_mark, b"")
+                    marked = True
+                except OSError:
+                    # A full disk: the appliers cannot commit either. Past the grace they stop
+                    # (what they could not apply stays pending) rather than wait out the drain.
+                    if self.clock() - start > FULL_DISK_GRACE_S:
+                        self.request_stop()
+            tick()
+            time.sleep(interval)
 
     def kill(self) -> None:
         for life in self.lives:

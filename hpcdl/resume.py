@@ -10,20 +10,17 @@ says it is pending again, and the backend starts the run as `submit` would.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from hpcdl.config import Job, load_job
+from hpcdl.config import Job
 from hpcdl.errors import JobError
-from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.jobfile import job_with
 from hpcdl.lifecycle import begin_new_submission
+from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
 from hpcdl.schedulers import get_scheduler
-from hpcdl.schedulers.base import Scheduler, SubmitRequest
-from hpcdl.schedulers.select import choose_backend
-from hpcdl.schedulers.base import DryRun
+from hpcdl.submit import Prepared, prepare_launch, write_rendered
 
 # What the checkpoints, the shards and the applier's state were made with.
 FIXED = {
@@ -42,15 +39,6 @@ FIXED = {
 }
 
 
-@dataclass(frozen=True)
-class PreparedResume:
-    run: RunDir
-    job: Job
-    scheduler: Scheduler
-    dryrun: DryRun
-    note: str = ""
-
-
 def _flat(job: Job) -> dict[str, Any]:
     out: dict[str, Any] = {"workload": job.workload}
     for section, values in job.to_dict().items():
@@ -59,9 +47,11 @@ def _flat(job: Job) -> dict[str, Any]:
     return out
 
 
-def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executable,
-                   on_note: Callable[[str], None] | None = None, progress=None) -> PreparedResume:
-    """Validate and render the resumed run; writes nothing."""
+def prepare_resume(run: RunDir, overrides: list[str] = (), settings: dict[str, Any] | None = None,
+                   python: str = sys.executable, on_note: Callable[[str], None] | None = None,
+                   progress=None) -> Prepared:
+    """Validate and render the resumed run as submit does (hpcdl.submit.prepare_launch), after
+    what only a resume checks; writes nothing."""
     old = run.load_job()
     info = run.info()
     active = get_scheduler(info.get("backend", old.run.backend)).is_active(run)
@@ -71,32 +61,17 @@ def prepare_resume(run: RunDir, overrides: list[str], python: str = sys.executab
     if active:
         raise JobError(f"run {run.run_id} is still active: `hpcdl cancel {run.run_id}` first, or watch it "
                        "with `hpcdl status`")
-    job = load_job(str(run.job_file), overrides)
+    job = job_with(old, overrides, settings)
     before, after = _flat(old), _flat(job)
     for key, why in FIXED.items():
         changed = [k for k in after if (k == key or k.startswith(key + ".")) and before.get(k) != after[k]]
         if changed:
             raise JobError(f"resume cannot change {changed[0]} ({why}); start a new run instead")
-    note = ""
-    if job.run.backend == "auto":
-        backend, why = choose_backend()
-        job = job.replace(run=dataclasses.replace(job.run, backend=backend))
-        note = f"backend: {backend} ({why}; --backend chooses)"
-        if on_note:
-            on_note(note)
     reached = [_group_step(run, g) for g in range(job.run.groups)]
     if all(step >= job.train.steps for step in reached):
         raise JobError(f"every group of {run.run_id} has reached train.steps = {job.train.steps}: "
                        "resume with --set train.steps=N (more) to train longer")
-    scheduler = get_scheduler(job.run.backend)
-    dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, scheduler.cluster_facts(job)))
-    if job.run.check_data:
-        from hpcdl.workloads import get_workload
-        from hpcdl.workloads.finite import check_job_data
-
-        get_workload(job.workload).check_data(job)
-        check_job_data(get_workload(job.workload), job, progress)
-    return PreparedResume(run, job, scheduler, dryrun, note)
+    return prepare_launch(job, run, python, None, on_note, progress)
 
 
 def _group_step(run: RunDir, group: int) -> int:
@@ -107,15 +82,10 @@ def _group_step(run: RunDir, group: int) -> int:
     return state.get("step", 0) if isinstance(state, dict) and isinstance(state.get("step"), int) else 0
 
 
-def resume_run(prepared: PreparedResume, **schedule_options: Any) -> dict[str, Any]:
+def resume_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
     run, job = prepared.run, prepared.job
     write_bytes_atomic(run.job_file, job.to_toml().encode())
-    for name, text in prepared.dryrun.files.items():
-        target = run.root / name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(target, text.encode())
-        if text.startswith("#!"):
-            target.chmod(0o755)
+    write_rendered(run.root, prepared.dryrun.files)
     begin_new_submission(run, job.run.groups)
     for g in range(job.run.groups):
         path = run.group_state_file(g)

@@ -43,7 +43,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.config import Job, job_from_dict
+from hpcdl.config import Job
+from hpcdl.jobfile import job_from_dict
 from hpcdl.errors import HpcdlError, JobError
 from hpcdl.files import atomic_write_bytes, read_regular
 from hpcdl.access import Access, AccessError, access_for_job

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.config import Job, check_plain_text, load_job, resolve_job_path
+from hpcdl.config import Job, check_plain_text
 from hpcdl.errors import JobError
-from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, read_toml_file
+from hpcdl.jobfile import load_job
+from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, write_bytes_atomic
 from hpcdl.schedulers import get_scheduler
-from hpcdl.schedulers.base import Scheduler, SubmitRequest
+from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
 from hpcdl.schedulers.select import choose_backend
-from hpcdl.schedulers.base import DryRun
 from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.common import absolute_split_paths
@@ -30,39 +30,52 @@ from hpcdl.workloads.finite import ProgressFactory, check_job_data
 
 @dataclass(frozen=True)
 class Prepared:
+    """A run rendered and checked, nothing written: what `submit` and `resume` start."""
+
     job: Job
+    run: RunDir  # where it runs (submit: the new directory's final path)
     scheduler: Scheduler
     dryrun: DryRun
     note: str = ""  # for the user: which backend run.backend = "auto" chose, and why
 
 
-def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
-            cluster: dict[str, Any] | None = None, on_note: Callable[[str], None] | None = None,
-            progress: ProgressFactory | None = None) -> Prepared:
-    """Validate and render; no side effects. `cluster` holds facts about the target (SLURM's
-    MaxArraySize, this machine's cores, whether Horovod has MPI). `on_note` hears at once which
-    backend "auto" chose, so the user knows it even when a check then refuses the job; `progress`
-    shows the data's NaN/Inf scan."""
-    read_toml_file(resolve_job_path(job_ref))  # a truncated or binary job file: one line naming it
-    job = load_job(job_ref, overrides)
-    job = job.replace(data=absolute_split_paths(job.data, Path.cwd()))  # relative to where one submits
+def prepare(job_ref: str, overrides: list[str] = (), settings: dict[str, Any] | None = None,
+            python: str = sys.executable, cluster: dict[str, Any] | None = None,
+            on_note: Callable[[str], None] | None = None, progress: ProgressFactory | None = None) -> Prepared:
+    """A new run of the job: `overrides` as typed after --set, `settings` typed values (the
+    CLI's options). Validates and renders; no side effects. `cluster` holds facts about the target
+    (SLURM's MaxArraySize, this machine's cores, whether Horovod has MPI). `on_note` hears at once
+    what was chosen for the job (the backend "auto" picks, the shards), so the user knows it even
+    when a check then refuses the job; `progress` shows the data's NaN/Inf scan."""
+    job = load_job(job_ref, overrides, settings)
     check_plain_text("the job's name", job.name)  # it starts the run id, a directory name
-    note = ""
+    notes = []
+    if job.exchange.shards == "auto":
+        job, shards_note = resolve_shards(job)
+        notes.append(shards_note)
+        if on_note:
+            on_note(shards_note)
+    run = RunDir(Path(job.run.runs_dir).absolute() / new_run_id(job))  # both backends print and use one spelling
+    return prepare_launch(job, run, python, cluster, on_note, progress, notes)
+
+
+def prepare_launch(job: Job, run: RunDir, python: str = sys.executable, cluster: dict[str, Any] | None = None,
+                   on_note: Callable[[str], None] | None = None, progress: ProgressFactory | None = None,
+                   notes: list[str] = ()) -> Prepared:
+    """What a new run and a resumed one share: data paths made absolute (from where one
+    submits), the backend ("auto" chosen here), its render of the run, and every check of the job
+    against the installation and its data. Writes nothing."""
+    job = job.replace(data=absolute_split_paths(job.data, Path.cwd()))
+    notes = list(notes)
     if job.run.backend == "auto":
         backend, why = choose_backend()
         job = job.replace(run=dataclasses.replace(job.run, backend=backend))  # job.toml says which
-        note = f"backend: {backend} ({why}; --backend chooses)"
+        notes.insert(0, f"backend: {backend} ({why}; --backend chooses)")
         if on_note:
-            on_note(note)
-    if job.exchange.shards == "auto":
-        job, shards_note = resolve_shards(job)
-        note = "; ".join(n for n in (note, shards_note) if n)
-        if on_note:
-            on_note(shards_note)
+            on_note(notes[0])
     scheduler = get_scheduler(job.run.backend)
     if cluster is None:
         cluster = scheduler.cluster_facts(job)
-    run = RunDir(Path(job.run.runs_dir).absolute() / new_run_id(job))  # both backends print and use one spelling
     dryrun = scheduler.submit_dryrun(SubmitRequest(job, run, python, cluster))  # checks the size
     check_precision(job)
     exchange = Path(job.exchange.directory) if job.exchange.directory else None
@@ -71,13 +84,23 @@ def prepare(job_ref: str, overrides: list[str], python: str = sys.executable,
         raise JobError(f"exchange.directory: {exchange} exists and is not a directory")
     # on both backends: a missing file would fail every SLURM element; a workload that builds
     # the user's model checks it here, once, even when the data is only on the compute nodes
+    workload = get_workload(job.workload)
     try:
-        get_workload(job.workload).check_job(job, data=job.run.check_data)
-        check_job_data(get_workload(job.workload), job, progress)
+        workload.check_job(job, data=job.run.check_data)
+        check_job_data(workload, job, progress)
     except OSError as exc:  # a plugin's own reader (h5py says neither field nor file): say whose check
         raise JobError(f"the {job.workload} workload's check of the job's data failed: "
                        f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")) from None
-    return Prepared(job, scheduler, dryrun, note)
+    return Prepared(job, run, scheduler, dryrun, "; ".join(notes))
+
+
+def write_rendered(root: Path, files: dict[str, str]) -> None:
+    """A render's files in a run directory, each published atomically; scripts executable."""
+    for name, text in files.items():
+        target = root / name
+        write_bytes_atomic(target, text.encode())
+        if text.startswith("#!"):
+            target.chmod(0o755)
 
 
 # exchange.shards = "auto" at submit: the planner's rule without a measurement (`hpcdl plan`
@@ -122,13 +145,8 @@ def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
     for attempt in range(RUN_ID_ATTEMPTS):
         dry = prepared.dryrun
         try:
-            with create_run(job, prepared.scheduler.name, run_id=dry.request.run.run_id) as (staged, final):
-                for name, text in dry.files.items():
-                    target = staged.root / name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_text(text)
-                    if text.startswith("#!"):
-                        target.chmod(0o755)
+            with create_run(job, prepared.scheduler.name, run_id=prepared.run.run_id) as (staged, final):
+                write_rendered(staged.root, dry.files)
             break
         except RunIdTaken:
             # Another submission took the id (same job, same second, same 16 random bits): the
@@ -150,9 +168,9 @@ def submit_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
 def renamed(prepared: Prepared) -> Prepared:
     """The same submission rendered for a new run id."""
     request = prepared.dryrun.request
-    run = RunDir(request.run.root.parent / new_run_id(prepared.job))
+    run = RunDir(prepared.run.root.parent / new_run_id(prepared.job))
     fresh = SubmitRequest(request.job, run, request.python, request.cluster)
-    return Prepared(prepared.job, prepared.scheduler, prepared.scheduler.submit_dryrun(fresh), prepared.note)
+    return dataclasses.replace(prepared, run=run, dryrun=prepared.scheduler.submit_dryrun(fresh))
 
 
 def check_precision(job: Job, cpu=None) -> None:

@@ -34,8 +34,8 @@ from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_c
 from hpcdl.files import read_regular
 from hpcdl.errors import JobError, NonFiniteLoss
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
-from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR
-from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
+from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
 from hpcdl.storage import FinalSaveFailed
 from hpcdl.workloads.common import DataFileError
 
@@ -72,39 +72,10 @@ def _read_stats(path: Path) -> dict | None:
     return stats if isinstance(stats, dict) else None
 
 
-def groups_finished(run: RunDir, groups: int) -> bool:
-    for g in range(groups):
-        try:
-            state = json.loads(run.group_state_file(g).read_bytes())
-        except (OSError, ValueError):  # missing, torn, binary: not finished (a rank rewrites it)
-            return False
-        if not isinstance(state, dict) or state.get("state") != State.FINISHED:
-            return False
-    return True
+def _slurm_array_gone(run: RunDir) -> Callable[[], bool]:
+    from hpcdl.schedulers.slurm import SlurmArrayGone
 
-
-class SlurmArrayGone:
-    """True once SLURM has held no element of the run's group array at two polls in a row.
-
-    Polled at most every `poll_s`; two sightings, so an element between its end and its requeue
-    is not taken for the end of the run. An unreachable controller counts as "still there".
-    """
-
-    def __init__(self, run: RunDir, poll_s: float = 30.0, sightings: int = 2):
-        from hpcdl.schedulers.slurm import SlurmScheduler
-
-        self.run, self.poll_s, self.sightings = run, poll_s, sightings
-        self.scheduler = SlurmScheduler()
-        self.next_poll, self.seen = 0.0, 0
-
-    def __call__(self) -> bool:
-        if time.monotonic() >= self.next_poll:
-            self.next_poll = time.monotonic() + self.poll_s
-            self.seen = self.seen + 1 if self.scheduler.groups_active(self.run) is False else 0
-            if self.seen == self.sightings:
-                print("hpcdl applier: no element of the group array is queued or running any more; "
-                      "stopping once the backlog is applied", file=sys.stderr, flush=True)
-        return self.seen >= self.sightings
+    return SlurmArrayGone(run)
 
 
 def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None,
@@ -115,7 +86,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig, StateLost
-    from hpcdl.exchange.group import run_channel
+    from hpcdl.run_exchange import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     x = job.exchange
@@ -146,8 +117,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
 
     def done() -> bool:
         nonlocal failing_since
-        over = (groups_finished(run, job.run.groups) or run.groups_ended_mark.exists()
-                or (array_gone is not None and array_gone()))
+        over = groups_over(run, job.run.groups, array_gone)
         if not over or channel.backlog() == 0:
             return over
         # Every group has ended: what a full disk keeps from being committed for longer than
@@ -235,7 +205,7 @@ def _main(argv: list[str] | None) -> int:
     job = run.load_job()
     os.umask(run.access(job).umask)  # files TensorFlow & co. create: owner-only (or group-only)
     if args.applier:
-        return serve_applier(run, job, SlurmArrayGone(run) if args.slurm_array else None,
+        return serve_applier(run, job, _slurm_array_gone(run) if args.slurm_array else None,
                              early_signal=lambda: stop["signal"], shard=args.shard)
     return serve_rank(run, job, args, stop)
 
@@ -295,9 +265,9 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     storage = StorageReport(run.storage_file(group)) if root else None
     sync = None
     if exchange and root:
-        from hpcdl.exchange.group import ExchangeSync
+        from hpcdl.run_exchange import group_exchange
 
-        sync = ExchangeSync.for_run(run, job, group, storage)
+        sync = group_exchange(run, job, group, storage)
     paths = GroupPaths(checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
                        state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group),
                        step_times=run.step_times_file(group, hvd.rank()))

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.config import JOBS_DIR, load_job
+from hpcdl.jobfile import JOBS_DIR, load_job
 from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, RunIdTaken, create_run, write_json_atomic
 from hpcdl.files import append_jsonl
@@ -281,7 +281,7 @@ def test_a_run_id_collision_is_retried_with_a_new_id(tmp_path, hep_files, monkey
     prepared = prepare("hep", tiny_overrides(hep_files, runs), cluster={})
     scheduler = Recording()
     taken = prepared.dryrun.request.run
-    first = Prepared(prepared.job, scheduler, scheduler.submit_dryrun(prepared.dryrun.request))
+    first = Prepared(prepared.job, prepared.run, scheduler, scheduler.submit_dryrun(prepared.dryrun.request))
     taken.root.mkdir(parents=True)
     (taken.root / "someone-else's").write_text("x")
     ids = iter([taken.run_id, "hep-20260101-000000-0001"])  # the first retry collides again
@@ -422,7 +422,7 @@ def test_status_after_the_supervisor_is_killed(hep_files, tmp_path):
 
 def test_the_applier_takes_a_garbled_group_state_for_not_finished(tmp_path):
     from hpcdl.runs import RunDir
-    from hpcdl.worker import groups_finished
+    from hpcdl.lifecycle import groups_finished
 
     run = RunDir(tmp_path)
     for g, content in enumerate([b'{"state": "finished"}', b"\xff\xfe\x00binary", b"[1, 2]"]):

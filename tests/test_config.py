@@ -1,7 +1,7 @@
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import job_from_dict, load_job, resolve_job_path
+from hpcdl.jobfile import job_from_dict, load_job, resolve_job_path
 import tomllib
 
 

@@ -11,7 +11,7 @@ import tensorflow as tf
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.engine.train import write_manifest
 from hpcdl.workloads import get_workload
 from tests.conftest import tiny_overrides, write_nersc

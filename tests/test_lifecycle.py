@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.lifecycle import (
     EXIT_LOCKED, EXIT_REQUEUE, EXIT_USER_ERROR, RESTART_BACKOFF_S, ApplierLife, GroupLife, RestartTally,
     begin_new_submission,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.logs import last_error, select
 from hpcdl.runs import RunError, create_run
 from tests.conftest import HPCDL, hpcdl, set_args, tiny_overrides

@@ -16,10 +16,10 @@ import pytest
 
 from hpcdl import exchange as ex
 from tests.helpers import APPLIER_PROCESS, applier_for
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel, CorruptFile, Signer
 from hpcdl.storage import StorageReport
-from hpcdl.exchange.group import ExchangeSync, adopt_master_weights, run_channel
+from hpcdl.run_exchange import adopt_master_weights, group_exchange, run_channel
 from hpcdl.access import Access
 from hpcdl.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
 from hpcdl.runs import RunError, create_run, write_json_atomic
@@ -259,7 +259,7 @@ def test_adopt_master_weights_needs_the_run_key(tmp_path):
     with pytest.raises(RunError, match="no run key"):
         adopt_master_weights(run, job, model)
     with pytest.raises(RunError, match="no run key"):
-        ExchangeSync.for_run(run, job, 0, StorageReport(run.storage_file(0)))
+        group_exchange(run, job, 0, StorageReport(run.storage_file(0)))
 
 
 def test_applier_cli_key_file(tmp_path):

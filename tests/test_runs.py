@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.runs import RunError, create_run, find_run, list_runs, write_json_atomic
 from hpcdl.files import append_jsonl, read_jsonl
 

@@ -10,7 +10,7 @@ import json
 import pytest
 from rich.console import Console
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.display import status_view
 from hpcdl.lifecycle import RestartTally
 from hpcdl.runs import RunDir, State, create_run, write_json_atomic

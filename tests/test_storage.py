@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel
 from hpcdl.runs import create_run, write_json_atomic
 from hpcdl.files import append_jsonl, read_jsonl
@@ -208,7 +208,7 @@ import json, os, sys
 from pathlib import Path
 import horovod.tensorflow as hvd
 import tensorflow as tf
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
 from hpcdl.storage import REPORT_FILE, StorageReport
 from hpcdl.workloads import get_workload

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpcdl.applier.rules import STALE_POLICIES, UPDATE_RULES, RuleParams
+from hpcdl.applier.rules import UPDATE_RULES, RuleParams, applier_learning_rate
 from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from hpcdl.config import StalePolicy, choices
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,8 @@ class ApplierConfig:
         object.__setattr__(self, "lr", float(self.lr))
         if self.optimizer not in UPDATE_RULES:
             raise ValueError(f"optimizer must be one of {sorted(UPDATE_RULES)}, got {self.optimizer!r}")
-        if self.stale_policy not in STALE_POLICIES:
-            raise ValueError(f"stale_policy must be one of {STALE_POLICIES}")
+        if self.stale_policy not in choices(StalePolicy):
+            raise ValueError(f"stale_policy must be one of {choices(StalePolicy)}")
         if self.max_staleness is not None and self.max_staleness < 0:
             raise ValueError("max_staleness must be >= 0 or None")
         if self.keep_versions < 1 or self.max_batch < 1:
@@ -47,7 +48,7 @@ class ApplierConfig:
         """A run's applier, from its job's [exchange] and the number of groups."""
         x, groups = job.exchange, job.run.groups
         # exchange.momentum is the rule's momentum: heavy ball's and Nesterov's μ, Adam's β1
-        return cls(optimizer=x.optimizer, lr=x.applier_learning_rate(job.train.learning_rate, groups),
+        return cls(optimizer=x.optimizer, lr=applier_learning_rate(x, job.train.learning_rate, groups),
                    momentum=x.momentum, beta1=x.momentum, momentum_delay=x.momentum_delay_for(groups),
                    staleness_scaling=x.staleness_scaling, max_staleness=x.max_staleness,
                    stale_policy=x.stale_policy, keep_versions=x.keep_versions)

@@ -35,11 +35,9 @@ from typing import ClassVar, Mapping
 import numpy as np
 
 from hpcdl.adam import ADAM_BETA1, ADAM_BETA2, ADAM_EPSILON
+from hpcdl.config import ExchangeConfig
 
 Arrays = dict[str, np.ndarray]
-
-# What the applier does with an update staler than exchange.max_staleness (server.py)
-STALE_POLICIES = ("drop", "downweight")
 
 
 @dataclass(frozen=True)
@@ -153,6 +151,13 @@ class Nesterov(UpdateRule):
 
 
 UPDATE_RULES: dict[str, type[UpdateRule]] = {r.name: r for r in (Sgd, Momentum, Adam, Nesterov)}
+
+
+def applier_learning_rate(exchange: ExchangeConfig, train_learning_rate: float, groups: int) -> float:
+    """The applier's rate: the job's `exchange.learning_rate`, or its rule's default for the
+    exchange's kind and the number of groups."""
+    return exchange.learning_rate or UPDATE_RULES[exchange.optimizer].default_rate(
+        exchange.kind, train_learning_rate, groups)
 
 
 def make_rule(name: str, params: RuleParams) -> UpdateRule:

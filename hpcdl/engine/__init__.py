@@ -10,6 +10,4 @@ this package does not import TensorFlow (`tuning` must run first).
 # The engine's choices, declared here so that a job's validation and the CLI read them without
 # loading TensorFlow; each name is implemented where its reference points (hpcdl.registry).
 TRAIN_OPTIMIZERS = {"adam": "hpcdl.engine.optim:Adam", "sgd": "hpcdl.engine.optim:SGD"}
-# How a large convolution's weight gradient is computed (hpcdl.engine.nn): TensorFlow's
-# Conv2DBackpropFilter (oneDNN's kernel), or k² matmuls (nn.conv_weight_grad_gemm).
-CONV_WEIGHT_GRADS = ("tensorflow", "gemm")
+

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import tensorflow as tf
 
-from hpcdl.engine import CONV_WEIGHT_GRADS
+from hpcdl.config import ConvWeightGrad, choices
 from hpcdl.engine import flops as count
 from hpcdl.engine.flops import FlopCount
 
@@ -38,8 +38,8 @@ GEMM_MIN_IN_CHANNELS = 64
 
 def set_conv_weight_grad(choice: str) -> None:
     global _CONV_WEIGHT_GRAD
-    if choice not in CONV_WEIGHT_GRADS:
-        raise ValueError(f"conv weight gradient: {' or '.join(repr(c) for c in CONV_WEIGHT_GRADS)}, got {choice!r}")
+    if choice == "auto" or choice not in choices(ConvWeightGrad):  # "auto" is resolved by tuning
+        raise ValueError(f"conv weight gradient: 'tensorflow' or 'gemm', got {choice!r}")
     _CONV_WEIGHT_GRAD = choice
 
 

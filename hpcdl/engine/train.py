@@ -433,7 +433,7 @@ def load_model(checkpoint: Path, workload_for: Callable[[str], Any]):
 
     Returns (model, manifest). Only TensorFlow's checkpoint format and JSON are read.
     """
-    from hpcdl.config import job_from_dict
+    from hpcdl.jobfile import job_from_dict
 
     directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
     manifest_path = directory / MANIFEST

@@ -206,12 +206,7 @@ from hpcdl.exchange.format import (
     MAX_NDIM, PREFIX_SIZE, CorruptFile, Signer, Tensors, read_file, write_file,
 )
 
-# What an update holds (``kind``, the docstring's first section) and a delta's wire dtype
-EXCHANGE_KINDS = ("gradient", "delta")
-DELTA_DTYPES = ("float32", "float16")
-
 __all__ = [
-    "DELTA_DTYPES", "EXCHANGE_KINDS",
     "ALIGN", "ALLOWED_DTYPES", "FORMAT_VERSION", "KINDS", "MAGIC", "MAX_ELEMENTS", "MAX_HEADER_BYTES",
     "MAX_NAME_CHARS", "MAX_NDIM", "MAX_REJECTED", "PREFIX_SIZE", "Channel", "CorruptFile",
     "Signer", "Tensors", "Update", "UpdateRef",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
-from hpcdl.exchange import DELTA_DTYPES, EXCHANGE_KINDS
+from hpcdl.config import DeltaDtype, ExchangeKind, choices
 from hpcdl.files import read_regular
 from hpcdl.perf.model import hep_network
 
@@ -116,9 +116,9 @@ class PlanInputs:
         for name in ("batch_per_node", "exchange_every", "applier_max_batch", "exchange_shards"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name, choices in (("exchange_kind", EXCHANGE_KINDS), ("delta_dtype", DELTA_DTYPES)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {', '.join(choices)}; "
+        for name, allowed in (("exchange_kind", choices(ExchangeKind)), ("delta_dtype", choices(DeltaDtype))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}; "
                                  f"got {getattr(self, name)!r}")
         if self.delta_dtype != "float32" and self.exchange_kind != "delta":
             raise ValueError('delta_dtype applies to exchange_kind = "delta" only')
@@ -443,7 +443,7 @@ def with_job_exchange(inputs: PlanInputs, job_name: str, overrides: Sequence[str
         given.append(name)
     if not whole_section and not given:
         return inputs
-    from hpcdl.config import load_job, resolve_job_path
+    from hpcdl.jobfile import load_job, resolve_job_path
 
     job = load_job(job_name, list(overrides))
     fields = list(JOB_EXCHANGE_FIELDS) if whole_section else given

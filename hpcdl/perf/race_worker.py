@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from hpcdl.applier.rules import applier_learning_rate
 from hpcdl.perf.race import EmulatedRace, RaceClock, RaceResult
 
 Arrays = dict[str, np.ndarray]
@@ -270,7 +271,7 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
                 f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
                 f"smaller copy of the job (narrower model, smaller batch) and say so; --race-budget 0 races anyway")
     centres = {g: job.train.learning_rate if g == 1 else
-               job.exchange.applier_learning_rate(job.train.learning_rate, g) for g in groups}
+               applier_learning_rate(job.exchange, job.train.learning_rate, g) for g in groups}
     outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],
                            race_seeds=list(range(race_seeds)), extend=extend)
     best = recommend(outcomes)

@@ -13,7 +13,6 @@ if TYPE_CHECKING:
     from hpcdl.schedulers.base import Scheduler
 
 SCHEDULERS = {"local": "hpcdl.schedulers.local:LocalScheduler", "slurm": "hpcdl.schedulers.slurm:SlurmScheduler"}
-BACKEND_CHOICES = ("auto", *SCHEDULERS)  # auto: SLURM where it answers, else this machine (select.py)
 
 
 def get_scheduler(name: str) -> "Scheduler":

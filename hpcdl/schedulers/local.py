@@ -28,9 +28,9 @@ from hpcdl.launch import (
     RENDEZVOUS_PORT_ENV, SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
     worker_environ,
 )
-from hpcdl.lifecycle import ApplierLife, GroupLife, Popened
+from hpcdl.lifecycle import ApplierLife, GroupLife, Popened, applier_command, worker_command
 from hpcdl.access import Access
-from hpcdl.runs import RunDir, RunError, State, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt
 
@@ -38,23 +38,12 @@ from hpcdl.storage import StorageReport, attempt
 # 8 emulated ranks + applier on 2 cores (bench/hybrid_race.py), whose pace is set by sleeps.
 LOCAL_RANKS_PER_CORE = 5
 LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
-APPLIER_DRAIN_S = 600.0  # after the last group, the applier applies what is pending and ends
-FULL_DISK_GRACE_S = 30.0  # after the last group, how long a full disk may hold the applier back
 
 
 def _open_log(path: Path, access: Access):
     """Logs have the run's access mode, like everything else in a run directory (owner-only, or
     group-only with run.unix_group), whatever the umask."""
     return os.fdopen(access.open_append(path), "ab")
-
-
-def worker_command(python: str, run: RunDir) -> list[str]:
-    return [python, "-m", "hpcdl.worker", str(run.root)]
-
-
-def applier_command(python: str, run: RunDir, shard: int = 0) -> list[str]:
-    return [python, "-m", "hpcdl.worker", str(run.root), "--applier"] + (
-        ["--shard", str(shard)] if shard else [])
 
 
 def mpi_group_command(launcher: MpiLauncher, python: str, run: RunDir, ranks: int) -> list[str]:
@@ -179,35 +168,14 @@ class Supervisor:
                 if on_tick:
                     on_tick()
                 time.sleep(interval)
-            if not self.stopping:
-                self._drain_applier(interval)
+            if not self.stopping and self.appliers is not None:
+                self.appliers.drain(lambda: self.stopping, self.publish, interval)
         finally:
             self.shutdown(interval)
         if on_tick:
             on_tick()
         applier_failed = self.appliers is not None and self.appliers.failed
         return all(life.state == State.FINISHED for life in self.groups.values()) and not applier_failed
-
-    def _drain_applier(self, interval: float) -> None:
-        """Every group has ended: the applier applies what is pending and ends by itself (see
-        hpcdl.worker.serve_applier), rather than stop with updates pending (it may be waiting out
-        a full disk). Bounded by APPLIER_DRAIN_S and by a stop request."""
-        if self.appliers is None:
-            return
-        start = time.monotonic()
-        marked = False
-        while self.appliers.poll(groups_active=False) and not self.stopping and time.monotonic() < start + APPLIER_DRAIN_S:
-            if not marked:
-                try:
-                    write_bytes_atomic(self.run.groups_ended_mark, b"")
-                    marked = True
-                except OSError:
-                    # A full disk: the appliers cannot commit either. Past the grace they stop
-                    # (what they could not apply stays pending) rather than wait out the drain.
-                    if time.monotonic() - start > FULL_DISK_GRACE_S:
-                        self.appliers.request_stop()
-            self.publish()
-            time.sleep(interval)
 
     def shutdown(self, interval: float = 0.5) -> None:
         """Stop what still runs: every group at once (each checkpoints at its stop, in parallel;

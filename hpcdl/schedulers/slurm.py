@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 import shlex
 import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -452,3 +454,25 @@ class SlurmScheduler(Scheduler):
             run.cancel_mark.unlink(missing_ok=True)
             raise SchedulerError(f"scancel failed: {proc.stderr.strip()}")
         return f"cancelled SLURM jobs {', '.join(targets)}"
+
+
+class SlurmArrayGone:
+    """True once SLURM has held no element of the run's group array at two polls in a row.
+
+    Polled at most every `poll_s`; two sightings, so an element between its end and its requeue
+    is not taken for the end of the run. An unreachable controller counts as "still there".
+    """
+
+    def __init__(self, run: RunDir, poll_s: float = 30.0, sightings: int = 2):
+        self.run, self.poll_s, self.sightings = run, poll_s, sightings
+        self.scheduler = SlurmScheduler()
+        self.next_poll, self.seen = 0.0, 0
+
+    def __call__(self) -> bool:
+        if time.monotonic() >= self.next_poll:
+            self.next_poll = time.monotonic() + self.poll_s
+            self.seen = self.seen + 1 if self.scheduler.groups_active(self.run) is False else 0
+            if self.seen == self.sightings:
+                print("hpcdl applier: no element of the group array is queued or running any more; "
+                      "stopping once the backlog is applied", file=sys.stderr, flush=True)
+        return self.seen >= self.sightings

@@ -20,7 +20,7 @@ from typing import Callable
 from hpcdl.config import Job
 from hpcdl.launch import expand_nodelist, slurm_group_plan, start_rendezvous
 from hpcdl.lifecycle import (
-    EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened,
+    EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened, applier_command,
 )
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.slurm import parse_preempt_time, ranks_environment, srun_command
@@ -126,8 +126,7 @@ def run_applier_step(run: RunDir, environ: dict[str, str]) -> int:
     job = run.load_job()
 
     def start(shard: int) -> Popened:
-        command = [sys.executable, "-m", "hpcdl.worker", str(run.root), "--applier", "--shard", str(shard),
-                   "--slurm-array"]
+        command = applier_command(sys.executable, run, shard, slurm_array=True)
         # SIGUSR1: commit, then exit with EXIT_REQUEUE
         return Popened([subprocess.Popen(command, env=_environ(job), stdin=subprocess.DEVNULL)],
                        stop_signal=signal.SIGUSR1)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import applier_for
-from hpcdl.applier.rules import UPDATE_RULES, RuleParams, make_rule
+from hpcdl.applier.rules import UPDATE_RULES, RuleParams, applier_learning_rate, make_rule
 from hpcdl.exchange import Channel
 
 
@@ -162,17 +162,17 @@ def test_a_replay_below_the_newest_processed_seq_is_never_applied(tmp_path):
 def test_the_default_applier_rate_follows_the_groups():
     from hpcdl.config import ExchangeConfig
 
-    assert ExchangeConfig(learning_rate=5e-4).applier_learning_rate(1e-3, 8) == 5e-4  # the job's
-    assert ExchangeConfig().applier_learning_rate(1e-3, 4) == pytest.approx(5e-4)  # 1e-3 / √4
-    assert ExchangeConfig(kind="delta", optimizer="sgd").applier_learning_rate(1e-3, 8) == 0.25
-    assert ExchangeConfig(kind="delta", optimizer="nesterov").applier_learning_rate(1e-3, 8) == 0.7
+    assert applier_learning_rate(ExchangeConfig(learning_rate=5e-4), 1e-3, 8) == 5e-4  # the job's
+    assert applier_learning_rate(ExchangeConfig(), 1e-3, 4) == pytest.approx(5e-4)  # 1e-3 / √4
+    assert applier_learning_rate(ExchangeConfig(kind="delta", optimizer="sgd"), 1e-3, 8) == 0.25
+    assert applier_learning_rate(ExchangeConfig(kind="delta", optimizer="nesterov"), 1e-3, 8) == 0.7
 
 
 def test_an_adaptive_outer_rule_for_deltas_defaults_to_the_groups_rate_and_a_negative_seed_is_refused():
     from hpcdl.config import EmulateConfig, ExchangeConfig
     from hpcdl.errors import JobError
 
-    assert ExchangeConfig(kind="delta", optimizer="adam").applier_learning_rate(1e-3, 2) == 1e-3
+    assert applier_learning_rate(ExchangeConfig(kind="delta", optimizer="adam"), 1e-3, 2) == 1e-3
     with pytest.raises(JobError, match="emulate.seed"):
         EmulateConfig(enabled=True, seed=-1).validate()
 

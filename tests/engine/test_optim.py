@@ -71,7 +71,7 @@ def test_adam_slots_and_step_survive_a_checkpoint(tmp_path):
 
 
 def test_every_optimizer_a_job_may_name_exists():
-    from hpcdl.config import load_job
+    from hpcdl.jobfile import load_job
     from hpcdl.engine import TRAIN_OPTIMIZERS
     from hpcdl.engine.optim import make_optimizer
 

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.doctor import bf16_label
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.submit import check_precision

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import TuningConfig, load_job
+from hpcdl.config import TuningConfig
+from hpcdl.jobfile import load_job
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,

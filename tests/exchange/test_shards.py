@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
-from hpcdl.exchange.group import ExchangeSync, record_partition
+from hpcdl.exchange.group import ExchangeSync
+from hpcdl.run_exchange import record_partition
 from hpcdl.runs import create_run
 from hpcdl.files import read_jsonl
 from tests.conftest import HPCDL, REPO, set_args, tiny_overrides, wait_for

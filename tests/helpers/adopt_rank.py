@@ -9,7 +9,7 @@ from pathlib import Path
 import horovod.tensorflow as hvd
 import numpy as np
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload

@@ -97,7 +97,7 @@ def test_bad_targets_are_one_line(job, args, match):
 
 def shipped_job(d, name: str, data: dict, **fields) -> str:
     """jobs/NAME.toml with its data in `data` and `fields` (`key = value` lines of the file) changed."""
-    from hpcdl.config import resolve_job_path
+    from hpcdl.jobfile import resolve_job_path
 
     lines = []
     for line in resolve_job_path(name).read_text().splitlines():

@@ -9,7 +9,9 @@ import itertools
 import numpy as np
 import pytest
 
-from hpcdl.config import EmulateConfig, load_job
+from hpcdl.config import EmulateConfig
+
+from hpcdl.jobfile import load_job
 from hpcdl.perf.race import EmulatedRace, RaceClock
 
 

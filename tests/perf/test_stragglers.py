@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.config import EmulateConfig, load_job
+from hpcdl.config import EmulateConfig
+from hpcdl.jobfile import load_job
 from hpcdl.emulate import Emulator
 from hpcdl.perf.inputs import PlanInputs
 from hpcdl.perf.model import sample_slowest, slow_nodes_per_group

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.schedulers.select import choose_backend
 from hpcdl.schedulers.local import check_capacity
 from tests.conftest import HPCDL

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.runs import create_run
 from hpcdl.files import read_jsonl
 from hpcdl.schedulers.local import Supervisor

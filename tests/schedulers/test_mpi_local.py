@@ -7,7 +7,7 @@ import time
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.local import LocalScheduler, check_local_mpi

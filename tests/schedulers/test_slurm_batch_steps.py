@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.lifecycle import RestartTally
 from hpcdl.runs import RunDir, create_run
 from hpcdl.schedulers.base import SubmitRequest

@@ -1,14 +1,12 @@
 """Rendering and parsing of the SLURM backend: pure functions, no cluster needed."""
 
-import os
-import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (
@@ -123,7 +121,7 @@ def test_status_shows_the_pending_reason_and_the_applier_s_node(tmp_path):
 
     from rich.console import Console
 
-    from hpcdl.config import load_job
+    from hpcdl.jobfile import load_job
     from hpcdl.display import status_view
     from hpcdl.runs import create_run
     from hpcdl.status import collect
@@ -210,7 +208,7 @@ def test_groups_active_before_the_array_is_submitted(tmp_path):
 
 
 def test_the_applier_stops_waiting_after_two_sightings_of_an_empty_array(monkeypatch, tmp_path):
-    from hpcdl.worker import SlurmArrayGone
+    from hpcdl.schedulers.slurm import SlurmArrayGone
 
     fake_squeue(monkeypatch, [(0, "", ""), (0, "41_1\n", ""), (0, "", ""),
                               (1, "", "Unable to contact slurm controller"), (0, "", ""), (0, "", "")])
@@ -220,7 +218,7 @@ def test_the_applier_stops_waiting_after_two_sightings_of_an_empty_array(monkeyp
 
 
 def test_the_applier_polls_squeue_at_most_every_poll_interval(monkeypatch, tmp_path):
-    from hpcdl.worker import SlurmArrayGone
+    from hpcdl.schedulers.slurm import SlurmArrayGone
 
     calls = fake_squeue(monkeypatch, [(0, "", "")])
     gone = SlurmArrayGone(submitted_run(tmp_path), poll_s=3600.0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.errors import JobError
 from hpcdl.workloads import get_workload, providers
 from tests.conftest import HPCDL

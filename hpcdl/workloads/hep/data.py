@@ -14,7 +14,7 @@ Normalisation (per-channel scales, class weights) is :mod:`hpcdl.workloads.hep.n
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import NamedTuple, Optional, Protocol
 
 import h5py
 import numpy as np
@@ -25,8 +25,13 @@ from hpcdl.workloads.hep.layout import (
 )
 from hpcdl.workloads.stream import ChunkedBatches, check_stream_args, example_chunks, shard_range
 
-if TYPE_CHECKING:
-    from hpcdl.workloads.hep.normalization import Normalization
+
+class Scaling(Protocol):
+    """What batches are scaled by (hpcdl.workloads.hep.normalization.Normalization, which reads
+    its scales through this module)."""
+
+    def apply(self, images: np.ndarray, inplace: bool = False) -> np.ndarray: ...
+
 
 __all__ = [
     "LAYOUT_BENCHMARK",
@@ -195,7 +200,7 @@ class BatchIterator(ChunkedBatches):
         start: int,
         stop: int,
         *,
-        norm: Optional[Normalization],
+        norm: Optional[Scaling],
         shuffle: bool,
         seed: int,
         rank: int,
@@ -217,7 +222,7 @@ def iter_batches(
     batch_size: int,
     rank: int = 0,
     size: int = 1,
-    norm: Optional[Normalization] = None,
+    norm: Optional[Scaling] = None,
     shuffle: bool = True,
     seed: int = 0,
     epochs: Optional[int] = None,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from hpcdl.errors import JobError
 
-TASKS = ("classification", "regression")
-OUTPUTS = ("auto", "logits", "probabilities")
+Task = Literal["classification", "regression"]
+Output = Literal["auto", "logits", "probabilities"]
 
 
 @dataclass(frozen=True)
@@ -20,7 +20,7 @@ class KerasDataConfig:
     inputs: str = "x"  # dataset of the examples, shape (N, ...): any shape per example
     labels: str = "y"  # dataset of the targets: (N,) class numbers, or (N,) / (N, k) regression targets
     weights: str = ""  # dataset of per-example weights (N,); empty: every example weighs 1
-    task: str = "classification"  # classification (labels 0 .. classes-1) or regression
+    task: Task = "classification"  # classification (labels 0 .. classes-1) or regression
     classes: int = 2  # classification: the number of classes
     normalize: bool = False  # inputs standardised per channel (last axis) with the training file's mean and std
     standardize_targets: bool = False  # regression: each target trained as (y - mean) / std of the training file; predictions are given back in the targets' own units
@@ -32,8 +32,6 @@ class KerasDataConfig:
             raise JobError("data.train must name the training file")
         if not self.inputs or not self.labels:
             raise JobError("data.inputs and data.labels must name datasets of the files")
-        if self.task not in TASKS:
-            raise JobError(f"data.task must be one of {', '.join(TASKS)}; got {self.task!r}")
         if self.task == "classification" and self.classes < 2:
             raise JobError(f"data.classes must be >= 2 for classification, got {self.classes}")
         if self.standardize_targets and self.task != "regression":
@@ -46,7 +44,7 @@ class KerasDataConfig:
 class KerasModelConfig:
     builder: str = ""  # "my_model.py:build" (relative to the job file) or "package.module:function"
     args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the builder ([model.args])
-    output: str = "auto"  # classification: the model ends in logits or probabilities (auto: from its last layer)
+    output: Output = "auto"  # classification: the model ends in logits or probabilities (auto: from its last layer)
 
     def validate(self) -> None:
         if not self.builder:
@@ -54,8 +52,6 @@ class KerasModelConfig:
                            "\"my_model.py:build\" or \"package.module:build\"")
         if ":" not in self.builder:
             raise JobError(f"model.builder {self.builder!r}: expected 'file.py:function' or 'package.module:function'")
-        if self.output not in OUTPUTS:
-            raise JobError(f"model.output must be one of {', '.join(OUTPUTS)}; got {self.output!r}")
 
     def resolved(self, base: Path) -> "KerasModelConfig":
         """A builder file named relative to the job file, made absolute (job.toml keeps it so)."""

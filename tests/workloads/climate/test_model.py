@@ -9,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.workloads.climate.config import ClimateModelConfig
 from hpcdl.workloads.climate.boxes import encode_boxes
 from hpcdl.workloads.climate.model import ClimateNet, detection_loss

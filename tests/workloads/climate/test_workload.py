@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 from hpcdl.errors import JobError
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.climate.data import DataError
 from tests.workloads.climate import write_ew

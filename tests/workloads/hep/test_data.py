@@ -11,9 +11,8 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.workloads import get_workload
-from hpcdl.workloads.hep import data as hd
 from hpcdl.workloads.hep.data import (
     DataError,
     batches_per_epoch,

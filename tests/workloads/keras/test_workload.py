@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.config import load_job
+from hpcdl.jobfile import load_job
 from hpcdl.errors import JobError
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.keras.data import ArrayFile, iter_batches
