@@ -240,7 +240,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
             while True:
                 current = collect(run_dir)
                 live.update(status_view(current))
-                if not current["underway"]:
+                if not current["underway"] and current["state"] != "ending":  # appliers drain
                     break
                 time.sleep(interval)
         except KeyboardInterrupt:

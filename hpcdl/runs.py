@@ -74,6 +74,9 @@ class State(StrEnum):
     TIMEOUT = "timeout"
     LOST = "lost"  # its supervisor died while it was queued or running
     UNKNOWN = "unknown"
+    # A run's, never a group's: its groups ended, its appliers still apply what is pending (it is
+    # still active: `resume` waits for the state the groups' words give once they are done).
+    ENDING = "ending"
 
 
 ENDED = frozenset({State.FINISHED, State.CANCELLED, State.FAILED, State.LOST, State.TIMEOUT, State.COMPLETED})

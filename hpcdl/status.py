@@ -96,6 +96,8 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
     if applier is not None and state not in UNDERWAY and any(
             row.get("phase") == "failed" for row in applier.get("shards") or [applier]):
         state = State.FAILED  # the groups ended, but the master did not come through
+    elif applier is not None and state not in UNDERWAY and _appliers_up(backend_view.get("applier")):
+        state = State.ENDING
     return {
         "run_id": run.run_id,
         "run_dir": str(run.root),
@@ -209,6 +211,16 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
             out.append({"where": "file system", "what": "free space", "error": warning, "count": None,
                         "age_s": 0.0, "detail": ""})
     return out
+
+
+def _appliers_up(backend: dict[str, Any] | None) -> bool:
+    """Whether the backend still runs the run's appliers: the local supervisor's record (checked
+    against the system), or SLURM's state of the applier job."""
+    if not backend:
+        return False
+    if "running" in backend:
+        return bool(backend["running"])
+    return _as_state(backend.get("state", "")) in UNDERWAY
 
 
 def _appliers_summary(run: RunDir, job, backend: dict[str, Any] | None) -> dict[str, Any]:
