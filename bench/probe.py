@@ -124,7 +124,7 @@ class TfProbe:
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
                               onednn=bool(args.onednn), precision=args.precision,
                               conv_weight_grad=args.conv_weight_grad)
-        cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
+        cores, why = cores_per_rank(None, usable_cores(), 1)
         self.plan = plan_threads(tuning, cores, why, cpu=read_cpuinfo())
         os.environ.update(self.plan.environment())
         for item in args.env:  # extra variables for a tuning experiment

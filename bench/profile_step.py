@@ -145,7 +145,7 @@ class Step:
 
         tuning = TuningConfig(intra_op_threads=args.intra, inter_op_threads=args.inter,
                               precision=args.precision)
-        cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
+        cores, why = cores_per_rank(None, usable_cores(), 1)
         # KEY=VALUE for an experiment, before TensorFlow loads and before the plan: an
         # ONEDNN_MAX_CPU_ISA changes the CPU the plan is made for
         experiment = dict(item.partition("=")[::2] for item in args.env)

@@ -68,7 +68,7 @@ def build(args):
     from hpcdl.config import TuningConfig
     from hpcdl.engine.tuning import cores_per_rank, plan_threads, read_cpuinfo, usable_cores
 
-    cores, why = cores_per_rank({}, usable_cores(), 1, slurm_task=False)
+    cores, why = cores_per_rank(None, usable_cores(), 1)
     plan = plan_threads(TuningConfig(), cores, why, cpu=read_cpuinfo())
     os.environ.update(plan.environment())
     import numpy as np

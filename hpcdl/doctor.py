@@ -37,11 +37,11 @@ class RankSetup:
 
     @classmethod
     def here(cls, tuning: TuningConfig | None = None, ranks_on_host: int = 1,
-             slurm_task: bool = False) -> "RankSetup":
+             cpus_per_task: int | None = None) -> "RankSetup":
         """`tuning`: a job's `[tuning]` section (default: the defaults); `ranks_on_host`: how many
         ranks would share this host."""
         cpu, mask, quota = read_cpuinfo(), affinity_cores(), cgroup_cpu_quota()
-        plan = plan_for_this_process(tuning or TuningConfig(), ranks_on_host, slurm_task=slurm_task)
+        plan = plan_for_this_process(tuning or TuningConfig(), ranks_on_host, cpus_per_task=cpus_per_task)
         usable = usable_cores(mask, quota)
         return cls(cpu, mask, quota, usable, ranks_on_host, plan)
 

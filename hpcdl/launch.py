@@ -36,6 +36,13 @@ class LaunchError(HpcdlError, RuntimeError):
     """The environment does not describe a rank; the message says what to fix."""
 
 
+def slurm_cpus_per_task(env: Mapping[str, str]) -> int | None:
+    """The CPUs SLURM gave each task of a srun step (`--cpus-per-task`); None when unset or not a
+    positive integer."""
+    value = env.get("SLURM_CPUS_PER_TASK", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 @dataclass(frozen=True)
 class RankEnv:
     """One rank's place in its group (a Horovod world) and the group's place in the run."""

@@ -33,7 +33,7 @@ from typing import Callable
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 from hpcdl.files import read_regular
 from hpcdl.errors import JobError, NonFiniteLoss
-from hpcdl.launch import LaunchError, RankEnv, follow_supervisor
+from hpcdl.launch import LaunchError, RankEnv, follow_supervisor, slurm_cpus_per_task
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
 from hpcdl.storage import FinalSaveFailed
@@ -243,7 +243,10 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     if refusal:
         print(f"hpcdl rank {rank_env.rank}: {refusal}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR
-    plan = plan_for_this_process(job.tuning, on_host, os.environ, slurm_task=args.slurm)
+    # Under srun, SLURM may give each task its own CPUs; on the local backend an enclosing
+    # allocation's SLURM_CPUS_PER_TASK is the whole supervisor's share, not a rank's.
+    plan = plan_for_this_process(job.tuning, on_host, os.environ,
+                                 cpus_per_task=slurm_cpus_per_task(os.environ) if args.slurm else None)
     os.environ.update(plan.environment())
     print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)
 

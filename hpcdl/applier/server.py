@@ -1,10 +1,5 @@
 """The applier's loop: list pending updates, apply a batch, commit it, publish (the package
-docstring is the design: versions, staleness, exactly-once across kill -9, full disks).
-
-Over 500 lines on purpose: the loop, its commit and its recovery after a crash (the state's
-generations, the event log's replay) are one protocol over the same batch, state and event log;
-split, each half would have to be read beside the other to be checked.
-"""
+docstring is the design: versions, staleness, exactly-once across kill -9, full disks)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,10 @@ must be applied to `os.environ` before `import tensorflow`; the intra/inter-op p
 after (`configure_tensorflow`). Every decision carries its reason, shown by `hpcdl doctor` and
 written to each rank's log; every one can be overridden in the job's `[tuning]` section.
 
-(Over 500 lines on purpose: the rules share the CPU reading and one plan, and each is short; split
-apart, a reader would follow one decision across files.)
-
 The rules (all pure functions below, tested in tests/engine/test_tuning.py):
 
-* cores a rank owns: under `srun` with `--cpus-per-task`, SLURM_CPUS_PER_TASK (capped by the
-  CPUs the process may run on); otherwise the usable CPUs (affinity mask, capped by a cgroup CPU
+* cores a rank owns: the CPUs its scheduler gave each task (`srun --cpus-per-task`, passed in by
+  the caller), capped by the CPUs the process may run on; otherwise the usable CPUs (affinity mask, capped by a cgroup CPU
   quota) shared evenly by the ranks on this host, at least 1.
 * intra-op threads = those cores (one op's parallel loops fill the rank's cores).
 * inter-op threads: 2 when the rank owns 2 cores or more, else 1: independent ops of the backward
@@ -264,23 +261,20 @@ def usable_cores(affinity: int | None = None, quota: float | None = None) -> int
     return cores
 
 
-def cores_per_rank(env: Mapping[str, str], usable: int, ranks_on_host: int,
-                   slurm_task: bool = True) -> tuple[int, str]:
+def cores_per_rank(cpus_per_task: int | None, usable: int, ranks_on_host: int) -> tuple[int, str]:
     """Cores this rank owns, and why.
 
-    `usable`: CPUs this process may use (see `usable_cores`). Under `srun --cpus-per-task=c`
-    (`slurm_task`), SLURM gives each task its own c CPUs: c, capped by `usable`. Otherwise (the
-    local backend, or SLURM without --cpus-per-task) the ranks on this host share `usable` evenly;
-    an enclosing allocation's SLURM_CPUS_PER_TASK then is the share of the whole supervisor.
+    `usable`: CPUs this process may use (see `usable_cores`). `cpus_per_task`: the CPUs the
+    scheduler gave this task alone (`srun --cpus-per-task=c`), capped by `usable`. Without it (the
+    local backend, or a scheduler that gave no CPUs per task) the ranks on this host share `usable`
+    evenly.
     """
     ranks = max(1, int(ranks_on_host))
     usable = max(1, int(usable))
-    c = env.get("SLURM_CPUS_PER_TASK", "").strip()
-    if slurm_task and c.isdigit() and int(c) > 0:
-        cpt = int(c)
-        if cpt > usable:
-            return usable, f"SLURM_CPUS_PER_TASK={cpt}, but this process may use only {usable} CPUs"
-        return cpt, f"SLURM_CPUS_PER_TASK={cpt}"
+    if cpus_per_task:
+        if cpus_per_task > usable:
+            return usable, f"{cpus_per_task} CPUs per task, but this process may use only {usable} CPUs"
+        return cpus_per_task, f"{cpus_per_task} CPUs per task"
     share = max(1, usable // ranks)
     why = f"{usable} usable cores / {ranks} rank(s) on this host"
     if ranks > usable:
@@ -459,12 +453,12 @@ def plan_threads(tuning: TuningConfig, cores: int, why: str, *, ranks_on_host: i
 
 
 def plan_for_this_process(tuning: TuningConfig, ranks_on_host: int, env: Mapping[str, str] | None = None,
-                          slurm_task: bool = False) -> ThreadPlan:
+                          cpus_per_task: int | None = None) -> ThreadPlan:
     """The plan of a rank started here: reads the affinity mask, cgroup quota and /proc/cpuinfo."""
     env = os.environ if env is None else env
     mask = affinity_cores()
     usable = usable_cores(mask, cgroup_cpu_quota())
-    cores, why = cores_per_rank(env, usable, ranks_on_host, slurm_task=slurm_task)
+    cores, why = cores_per_rank(cpus_per_task, usable, ranks_on_host)
     return plan_threads(tuning, cores, why, ranks_on_host=ranks_on_host, mask=usable, cpu=read_cpuinfo(env=env))
 
 

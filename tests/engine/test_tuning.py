@@ -7,6 +7,7 @@ import pytest
 from hpcdl.errors import JobError
 from hpcdl.config import TuningConfig
 from hpcdl.jobfile import load_job
+from hpcdl.launch import slurm_cpus_per_task
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,
@@ -143,22 +144,26 @@ def test_usable_cores_of_this_process_is_positive():
 
 @pytest.mark.parametrize("usable, ranks, expected", [(2, 1, 2), (2, 2, 1), (68, 4, 17), (8, 3, 2), (2, 4, 1)])
 def test_cores_shared_evenly_by_the_ranks_on_a_host(usable, ranks, expected):
-    cores, why = cores_per_rank({}, usable, ranks)
+    cores, why = cores_per_rank(None, usable, ranks)
     assert cores == expected
     assert f"{usable} usable cores / {ranks} rank(s)" in why
     assert ("oversubscribed" in why) == (ranks > usable)
 
 
-def test_slurm_cpus_per_task_wins_for_a_srun_task():
-    assert cores_per_rank({"SLURM_CPUS_PER_TASK": "16"}, 16, ranks_on_host=4) == (16, "SLURM_CPUS_PER_TASK=16")
+def test_the_cpus_a_scheduler_gives_a_task_win_over_the_hosts_share():
+    assert cores_per_rank(16, 16, ranks_on_host=4) == (16, "16 CPUs per task")
     # capped by what the process may use (a mask narrower than the request)
-    cores, why = cores_per_rank({"SLURM_CPUS_PER_TASK": "16"}, 8, ranks_on_host=1)
+    cores, why = cores_per_rank(16, 8, ranks_on_host=1)
     assert cores == 8 and "only 8" in why
-    # not a srun task (the local backend inside an allocation): the share of the host
-    assert cores_per_rank({"SLURM_CPUS_PER_TASK": "8"}, 8, ranks_on_host=2, slurm_task=False)[0] == 4
-    # unset, empty, zero or junk: ignored
-    for value in ("", "0", "x", " "):
-        assert cores_per_rank({"SLURM_CPUS_PER_TASK": value}, 6, ranks_on_host=2)[0] == 3
+    # none given (the local backend, even inside an allocation): the share of the host
+    assert cores_per_rank(None, 8, ranks_on_host=2)[0] == 4
+
+
+def test_slurm_cpus_per_task_is_read_by_the_launch_side_only():
+    assert slurm_cpus_per_task({"SLURM_CPUS_PER_TASK": "16"}) == 16
+    for value in ("", "0", "x", " "):  # unset, empty, zero or junk: none
+        assert slurm_cpus_per_task({"SLURM_CPUS_PER_TASK": value}) is None
+    assert slurm_cpus_per_task({}) is None
 
 
 # -- the plan --------------------------------------------------------------------------------
