@@ -15,7 +15,7 @@ import click
 from rich.console import Console
 
 from hpcdl import __version__
-from hpcdl.config import Backend, choices
+from hpcdl.config import RUNS_DIR, Backend, choices
 from hpcdl.workloads import names as workload_names
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
@@ -80,6 +80,9 @@ def _strict(value):
 
 def _emit_json(data) -> None:
     click.echo(json.dumps(_strict(data), indent=2, sort_keys=True, default=str, allow_nan=False))
+
+
+runs_dir_option = click.option("--runs-dir", default=RUNS_DIR, show_default=True, type=click.Path(file_okay=False))
 
 
 @click.group(cls=HpcdlGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -175,12 +178,14 @@ def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
 
 
 # -- resume ---------------------------------------------------------------------------------------
+
+
 @main.command()
 @click.argument("run")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Change a job field for the rest of the run, e.g. --set train.steps=2000 (repeatable).")
 @click.option("--backend", type=click.Choice(choices(Backend)), help="Where to run it now (run.backend).")
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--no-check-data", is_flag=True, help="Do not open the data files now (run.check_data = false).")
 @click.option("--detach", is_flag=True, help="Local backend: run in the background and return at once.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -203,7 +208,7 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
 # -- status / cancel ------------------------------------------------------------------------------
 @main.command()
 @click.argument("run", required=False)
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until the run ends (Ctrl-C stops).")
 @click.option("--interval", default=2.0, show_default=True, type=FiniteFloatRange(min=0.2))
@@ -249,7 +254,7 @@ def status(run, runs_dir, as_json, watch, interval, plot):
 
 @main.command()
 @click.argument("run", required=False)
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 def cancel(run, runs_dir):
     """Stop every process or SLURM job of RUN (safe to repeat). Without RUN: the newest run under
     --runs-dir that is still queued or running, named in the answer."""
@@ -261,7 +266,7 @@ def cancel(run, runs_dir):
 # -- logs -----------------------------------------------------------------------------------------
 @main.command()
 @click.argument("run", required=False)
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--group", "group", type=click.IntRange(min=0), help="Only this group's logs.")
 @click.option("--rank", "rank", type=click.IntRange(min=0), help="With --group: only this rank's log (local backend).")
 @click.option("--applier", is_flag=True, help="The applier's logs (with --group: both).")
@@ -292,7 +297,7 @@ def logs(run, runs_dir, group, rank, applier, follow):
 # -- evaluate -------------------------------------------------------------------------------------
 @main.command()
 @click.argument("checkpoint", required=False)
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--data", type=click.Path(path_type=Path), help="Test file (default: the job's data.test).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), help="Where plots go (default: <run>/eval).")
 @click.option("--scores-out", type=click.Path(dir_okay=False, path_type=Path), help="Write per-event scores (hep) or detections (climate) as .npz or .csv; predictions (keras) as .npz.")
@@ -335,7 +340,7 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, a
 @main.command()
 @click.argument("checkpoint")
 @click.argument("out", type=click.Path(path_type=Path))
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--checkpoint-weights", "own", is_flag=True,
               help="For a run with an exchange: group 0's newest checkpoint, not the master weights.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
@@ -493,7 +498,7 @@ def workloads(as_json):
 @click.option("--max-applier-util", default=0.5, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the applier's largest busy share.")
 @click.option("--max-exchange-share", default=0.05, show_default=True, type=FiniteFloatRange(0.0, 1.0, min_open=True, max_open=True), help="H advice: the exchange's largest share of a group's time.")
 @click.option("--from-run", "from_run", metavar="RUN", help="Fit the stragglers (σ, stalls, slow nodes) to the step times each rank of RUN (a run directory or id) recorded, instead of assuming them.")
-@click.option("--runs-dir", default="runs", show_default=True, type=click.Path(file_okay=False))
+@runs_dir_option
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--target", metavar="METRIC=VALUE", help="Also predict the time to this validation metric for each group count by the emulated race on the job's data (e.g. auc=0.95, r2>=0.9, loss<=0.3), and recommend G by it.")
 @click.option("--race-ranks", default=8, show_default=True, type=click.IntRange(min=1), help="--target: ranks the race trains (its group counts divide it); time is the planner's at --nodes.")

@@ -54,6 +54,8 @@ def check_plain_text(name: str, value: str) -> None:
         raise JobError(f"{name} {value!r} contains control characters ({', '.join(bad)}): not allowed")
 
 
+RUNS_DIR = "runs"  # the default home of run directories, relative to where hpcdl runs
+
 @dataclass(frozen=True)
 class RunConfig:
     """How many nodes, in which groups, on which backend."""
@@ -62,7 +64,7 @@ class RunConfig:
     group_size: int = 0  # 0: all nodes form one synchronous group
     ranks_per_node: int = 1  # Horovod ranks per node, sharing its cores
     backend: Backend = "auto"  # auto: slurm where sbatch is on PATH and the controller answers, else local
-    runs_dir: str = "runs"  # where run directories are made; on a cluster, a file system every node sees
+    runs_dir: str = RUNS_DIR  # where run directories are made; on a cluster, a file system every node sees
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     check_finite: bool = True  # false: skip the NaN/Inf scan of data.train and data.val (it reads every value once)

@@ -17,3 +17,7 @@ class NonFiniteLoss(ValueError):
     """A group's loss or a gradient turned NaN or Inf; the step was not applied, so its weights and
     newest checkpoint are the last finite ones. No restart can mend it: the same data and weights
     give the same step."""
+
+
+class FinalSaveFailed(RuntimeError):
+    """A group's last checkpoint or final state could not be written in train.final_save_retry_s."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.access import Access
+from hpcdl.config import RUNS_DIR
 from hpcdl.errors import HpcdlError
 from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
 
@@ -20,7 +21,7 @@ class EvaluateError(HpcdlError, ValueError):
     """The path is not something that holds a trained model."""
 
 
-def locate(ref: str | None, runs_dir: str | Path = "runs") -> Path:
+def locate(ref: str | None, runs_dir: str | Path = RUNS_DIR) -> Path:
     """What `hpcdl evaluate` was given, as a path: None is the newest run under runs_dir (by
     creation); a run or checkpoint directory or a checkpoint prefix (`.../ckpt-400`, which is not
     itself a file) is taken as it is; otherwise a run id under runs_dir."""
@@ -94,7 +95,7 @@ class Trained:
 
 
 def load_trained(path: Path, master: bool = True) -> Trained:
-    from hpcdl.engine.train import CheckpointUnreadable, load_model
+    from hpcdl.group_files import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
     checkpoint, run = resolve_checkpoint(path)

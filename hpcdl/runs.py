@@ -43,7 +43,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Iterator
 
-from hpcdl.config import Job
+from hpcdl.config import RUNS_DIR, Job
 from hpcdl.jobfile import job_from_dict
 from hpcdl.errors import HpcdlError, JobError
 from hpcdl.files import atomic_write_bytes, read_regular
@@ -54,7 +54,7 @@ from hpcdl.storage import REPORT_FILE, StorageReport
 import tomllib
 
 
-MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.engine.train)
+MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.group_files)
 
 
 class State(StrEnum):
@@ -431,7 +431,7 @@ def apply_access(root: Path, access: Access) -> None:
             access.fix_file(Path(dirpath) / name)
 
 
-def list_runs(runs_dir: str | Path = "runs") -> list[RunDir]:
+def list_runs(runs_dir: str | Path = RUNS_DIR) -> list[RunDir]:
     """The runs under runs_dir, newest first by creation (see RunDir.created)."""
     base = Path(runs_dir)
     if not base.is_dir():
@@ -440,7 +440,7 @@ def list_runs(runs_dir: str | Path = "runs") -> list[RunDir]:
     return sorted(runs, key=lambda r: (r.created(), r.run_id), reverse=True)
 
 
-def find_run(ref: str | None, runs_dir: str | Path = "runs") -> RunDir:
+def find_run(ref: str | None, runs_dir: str | Path = RUNS_DIR) -> RunDir:
     """A run by path, by id under runs_dir, or (None) the newest run there (by creation)."""
     if ref:
         path = Path(ref)

@@ -191,10 +191,6 @@ def attempt(report: StorageReport, what: str, fn: Callable[..., Any], *args: Any
 # ------------------------------------------------------------------------------------------------
 
 
-class FinalSaveFailed(RuntimeError):
-    """A group's last checkpoint or final state could not be written in train.final_save_retry_s."""
-
-
 def recorded_checkpoint(directory: str | os.PathLike[str]) -> str | None:
     """The checkpoint prefix (a file name) that TensorFlow's ``checkpoint`` state file names."""
     try:

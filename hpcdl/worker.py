@@ -32,11 +32,10 @@ from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
 from hpcdl.files import read_regular
-from hpcdl.errors import JobError, NonFiniteLoss
+from hpcdl.errors import FinalSaveFailed, JobError, NonFiniteLoss
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor, slurm_cpus_per_task
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
 from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
-from hpcdl.storage import FinalSaveFailed
 from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
@@ -252,8 +251,10 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 
-    from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
+    from hpcdl.engine.train import GroupRoot, train_group
     from hpcdl.engine.tuning import configure_tensorflow
+    from hpcdl.group_files import GroupRecorder
+    from hpcdl.steptimes import StepTimeLog
     from hpcdl.storage import StorageReport
     from hpcdl.workloads import get_workload
 
@@ -271,9 +272,8 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         from hpcdl.run_exchange import group_exchange
 
         sync = group_exchange(run, job, group, storage)
-    paths = GroupPaths(checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
-                       state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group),
-                       step_times=run.step_times_file(group, hvd.rank()))
+    recorder = GroupRecorder(job, stats, storage, checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
+                             state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group)) if root else None
     pace = None
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator
@@ -295,9 +295,10 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     if job.train.validate_every and val.is_file() and (group == 0 or not exchange):
         validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
 
-    result = train_group(job, workload, hvd, paths, stats, group=group, groups=job.run.groups,
-                         root=GroupRoot(storage, sync, validate) if root else None, exchange=exchange,
-                         stop_requested=stop_requested, report=report, pace=pace)
+    result = train_group(job, workload, hvd, run.checkpoint_dir(group), stats, group=group, groups=job.run.groups,
+                         root=GroupRoot(recorder, sync, validate) if root else None, exchange=exchange,
+                         stop_requested=stop_requested, report=report, pace=pace,
+                         step_times=StepTimeLog(run.step_times_file(group, hvd.rank())))
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the group's life (hpcdl.lifecycle) it stopped at a checkpoint.

@@ -12,21 +12,25 @@ from click.testing import CliRunner
 
 from hpcdl.cli import main
 from hpcdl.jobfile import load_job
-from hpcdl.engine.train import write_manifest
+from hpcdl.group_files import GroupRecorder
+from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 from tests.conftest import tiny_overrides, write_nersc
 
 
 @pytest.fixture(scope="module")
 def checkpoint(hep_files, tmp_path_factory):
-    """A real checkpoint of the tiny HEP model: TensorFlow's files and the engine's manifest."""
+    """A real checkpoint of the tiny HEP model: TensorFlow's files and the manifest."""
     directory = tmp_path_factory.mktemp("ckpt")
     job = load_job("hep", tiny_overrides(hep_files, directory / "runs"))
     workload = get_workload("hep")
     shape = workload.input_shape(job)
     model = workload.build_model(job.model, shape, seed=0)
     tf.train.CheckpointManager(tf.train.Checkpoint(model=model), str(directory), max_to_keep=1).save(4)
-    write_manifest(directory, job, workload.compute_stats(job), shape, model)
+    recorder = GroupRecorder(job, workload.compute_stats(job), StorageReport(directory.parent / "storage.json"),
+                             checkpoints=directory, metrics=directory.parent / "metrics.jsonl",
+                             state=directory.parent / "state.json", tensorboard=directory.parent / "tb")
+    recorder.manifest(shape, [name for name, _ in model.named_variables()])
     return directory
 
 

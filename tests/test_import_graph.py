@@ -100,3 +100,17 @@ def test_the_exchange_protocol_knows_no_run_directory_and_no_process_above_it():
             found = imports(path, module, set(files), top_level=False)
             assert not {m for m in found if m in above or m.startswith(("hpcdl.schedulers", "hpcdl.engine",
                                                                           "hpcdl.workloads", "hpcdl.applier"))}, module
+
+
+def test_the_engine_knows_no_run_directory_no_scheduler_and_no_workload():
+    """engine/ is given its checkpoint directory, recorder and exchange by the worker; it reads no
+    run directory, job file or SLURM variable, and a workload reaches it as an argument."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    above = {"hpcdl.runs", "hpcdl.jobfile", "hpcdl.files", "hpcdl.storage", "hpcdl.steptimes", "hpcdl.access",
+             "hpcdl.group_files", "hpcdl.run_exchange", "hpcdl.lifecycle", "hpcdl.launch", "hpcdl.worker"}
+    for module, path in files.items():
+        if module.startswith("hpcdl.engine"):
+            found = imports(path, module, set(files), top_level=False)
+            assert not {m for m in found if m in above or m.startswith(("hpcdl.schedulers", "hpcdl.workloads",
+                                                                          "hpcdl.exchange", "hpcdl.applier"))}, module
+            assert "SLURM_" not in path.read_text().replace("SLURM's", ""), module

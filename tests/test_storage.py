@@ -209,7 +209,8 @@ from pathlib import Path
 import horovod.tensorflow as hvd
 import tensorflow as tf
 from hpcdl.jobfile import load_job
-from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
+from hpcdl.engine.train import GroupRoot, train_group
+from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import REPORT_FILE, StorageReport
 from hpcdl.workloads import get_workload
 
@@ -239,8 +240,9 @@ hvd.init()
 job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
-paths = GroupPaths(ckdir, out / "metrics.jsonl", out / "state.json", out / "tb")
-result = train_group(job, workload, hvd, paths, stats, group=0, groups=1, root=GroupRoot(StorageReport(out / REPORT_FILE)))
+recorder = GroupRecorder(job, stats, StorageReport(out / REPORT_FILE), checkpoints=ckdir, metrics=out / "metrics.jsonl",
+                         state=out / "state.json", tensorboard=out / "tb")
+result = train_group(job, workload, hvd, ckdir, stats, group=0, groups=1, root=GroupRoot(recorder))
 print("STEPS", result.steps_run)
 """
 

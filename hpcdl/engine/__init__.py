@@ -3,7 +3,8 @@
 tuning a rank applies before TensorFlow loads (`tuning`).
 
 It knows nothing of SLURM, of run directories or of how its processes were started: callers pass
-in the initialised Horovod module, the paths to write and the exchange (`GroupSync`). Importing
+in the initialised Horovod module, the checkpoint directory, what records the group's progress
+(`Recorder`, `StepLog`) and the exchange (`GroupSync`). Importing
 this package does not import TensorFlow (`tuning` must run first).
 """
 

@@ -1,4 +1,5 @@
-"""The training loop of one synchronous group. It knows nothing of SLURM or of how it was started.
+"""The training loop of one synchronous group. It knows nothing of SLURM, of run directories or of
+how it was started.
 
 Inside a group every rank computes gradients on its own shard; Horovod averages them (allreduce)
 and every rank applies the same update, so the ranks' weights stay identical -- checked at the
@@ -7,16 +8,15 @@ optional `GroupSync` (the asynchronous exchange) lets the group's root publish i
 gradient and adopt newer master weights; the adoption is decided by the root and broadcast, so
 all ranks of the group switch weights at the same step.
 
-Rank 0 of the group writes metrics (JSON lines + TensorBoard) and checkpoints. A checkpoint is a
-TensorFlow checkpoint (no code runs on load) beside a JSON manifest that says how to rebuild the
-model, so `hpcdl evaluate` needs nothing but the checkpoint directory.
+Rank 0 of the group records metrics, validation, checkpoints and the manifest that says how to
+rebuild the model through the `Recorder` its caller gives (hpcdl.group_files); checkpoints are
+TensorFlow checkpoints, in the directory the caller names.
 """
 
 from __future__ import annotations
 
 import gc
 import hashlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,25 +29,10 @@ from hpcdl.config import Job
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.engine.tuning import precision_policy
-from hpcdl.errors import NonFiniteLoss
-from hpcdl.runs import MANIFEST, State, write_json_atomic
-from hpcdl.files import append_jsonl
-from hpcdl.steptimes import StepTimeLog
-from hpcdl.storage import FinalSaveFailed, StorageReport, attempt, recorded_checkpoint, save_checkpoint
+from hpcdl.errors import FinalSaveFailed, NonFiniteLoss
 
 FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between tries of the last checkpoint and state
 
-
-
-@dataclass(frozen=True)
-class GroupPaths:
-    """Where one group writes; given by the caller so the engine owns no layout."""
-
-    checkpoints: Path
-    metrics: Path
-    state: Path
-    tensorboard: Path
-    step_times: Path | None = None  # this rank's own time of each step (hpcdl.steptimes); None: not kept
 
 
 @dataclass(frozen=True)
@@ -76,63 +61,46 @@ class GroupSync(Protocol):
         """Root only: publish the updates held back (a full disk); False while they cannot be."""
 
 
-def write_manifest(directory: Path, job: Job, stats: dict[str, Any], input_shape, model) -> None:
-    write_json_atomic(directory / MANIFEST, {
-        "workload": job.workload,
-        "job": job.to_dict(),
-        "stats": stats,
-        "input_shape": list(input_shape),
-        "variables": [name for name, _ in model.named_variables()],
-    })
+class Recorder(Protocol):
+    """Rank 0's record of its group (implemented in hpcdl.group_files, over the run directory)."""
 
-
-class _Recorder:
-    """Rank 0's files: metrics lines, TensorBoard scalars, the state file and checkpoints. A full
-    disk or quota is recorded in the group's storage report (hpcdl status shows it) and training
-    goes on."""
-
-    def __init__(self, paths: GroupPaths, storage: StorageReport):
-        self.paths, self.storage = paths, storage
-        self.writer = tf.summary.create_file_writer(str(paths.tensorboard))
-
-    def _scalars(self, step: int, values: dict[str, float]) -> None:
-        def write():
-            with self.writer.as_default(step=step):
-                for key, value in values.items():
-                    tf.summary.scalar(key, value)
-
-        attempt(self.storage, "tensorboard", write)
-
-    def validation(self, step: int, validation: dict[str, Any]) -> None:
-        self._scalars(step, {k.replace("val_", "validation/", 1): v for k, v in validation.items()
-                             if k not in ("val_step", "val_master_version")})
+    def manifest(self, input_shape, variable_names: list[str]) -> None:
+        """How to rebuild the model, beside its checkpoints."""
 
     def metrics(self, step: int, line: dict[str, Any]) -> None:
-        attempt(self.storage, "metrics", append_jsonl, self.paths.metrics, line)
-        self._scalars(step, {k: line[k] for k in ("loss", "images_per_s", "flops_per_s_group")})
-        self.state({"state": State.RUNNING, **line})
+        """A metrics line (it also says the group is running)."""
 
-    def state(self, doc: dict[str, Any]) -> bool:
-        return attempt(self.storage, "state", write_json_atomic, self.paths.state, doc)
+    def validation(self, step: int, validation: dict[str, Any]) -> None:
+        """The newest validation scores."""
 
-    def checkpoint(self, manager, step: int) -> None:
-        # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.
-        save_checkpoint(self.storage, lambda: manager.save(checkpoint_number=step), self.paths.checkpoints, step)
+    def checkpoint(self, manager: tf.train.CheckpointManager, step: int) -> None:
+        """Save a checkpoint; a failure is recorded, not raised."""
 
     def has_checkpoint(self, step: int) -> bool:
-        return recorded_checkpoint(self.paths.checkpoints) == f"ckpt-{step}"
+        """Whether step's checkpoint is the newest saved."""
+
+    def end(self, final: dict[str, Any], *, stopped: bool) -> bool:
+        """The group's last word (finished, or stopped on request); False if not written."""
 
     def close(self) -> None:
-        attempt(self.storage, "tensorboard", self.writer.flush)
+        """Flush what is buffered."""
+
+
+class StepLog(Protocol):
+    """Each rank's own time of every step (hpcdl.steptimes)."""
+
+    def record(self, step: int, seconds: float) -> None: ...
+
+    def flush(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class GroupRoot:
-    """What rank 0 of a group alone is given: where it records the files it could not write, its
-    link to the other groups (with an exchange) and the workload's validation, if any
-    (`validate(model)`: the workload's figures on a fixed validation subset)."""
+    """What rank 0 of a group alone is given: its recorder, its link to the other groups (with an
+    exchange) and the workload's validation, if any (`validate(model)`: the workload's figures on
+    a fixed validation subset)."""
 
-    storage: StorageReport
+    recorder: Recorder
     sync: GroupSync | None = None
     validate: Callable[[Any], dict[str, float]] | None = None
 
@@ -202,13 +170,13 @@ class _RootDuties:
     """Rank 0's periodic actions after a step, in this order: validate, write the metrics line,
     checkpoint. None of them is a collective, so the other ranks go on to the next step."""
 
-    def __init__(self, job: Job, root: GroupRoot, paths: GroupPaths, group_model: _GroupModel, *,
+    def __init__(self, job: Job, root: GroupRoot, group_model: _GroupModel, *,
                  group: int, ranks: int, exchange: bool, report: dict[str, Any]):
         self.train, self.group, self.ranks = job.train, group, ranks
         self.sync = root.sync if exchange else None
         self.validate = root.validate if job.train.validate_every else None
         self.report, self.manager = report, group_model.manager
-        self.recorder = _Recorder(paths, root.storage)
+        self.recorder = root.recorder
         self.rates = _Rates(job.train.batch_per_rank, group_model.model.flops().training, ranks)
         self.train_start = time.time()
         self.validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
@@ -269,10 +237,10 @@ def _start_weights(hvd, g: _GroupModel, sync: GroupSync | None, group: int) -> N
             else ", no master version yet (its own weights)"), flush=True)
 
 
-def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any], *,
+def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any], *,
                 group: int, groups: int, root: GroupRoot | None = None, exchange: bool = False,
                 stop_requested: Callable[[], bool] | None = None, report: dict[str, Any] | None = None,
-                pace: Callable[[int, float], None] | None = None) -> TrainResult:
+                pace: Callable[[int, float], None] | None = None, step_times: StepLog | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
     `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
@@ -282,8 +250,8 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
     `pace(step, started)`, called after each step with the step's start (perf_counter), may stretch
     it (the straggler emulator, hpcdl.emulate) and returns the seconds it stretches it to. Each
-    rank records its own time of every step in `paths.step_times`: its forward and backward,
-    or the emulated time if longer. Validation runs every `train.validate_every` steps
+    rank records its own time of every step in `step_times`: its forward and backward, or the
+    emulated time if longer. Every rank restores from and rank 0 saves to `checkpoints`. Validation runs every `train.validate_every` steps
     and at the end; with an exchange, at the first adoption from then on, so it scores the master
     weights.
 
@@ -293,17 +261,16 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     if rank == 0 and (root is None or (exchange and root.sync is None)):
         raise ValueError("rank 0 of a group needs its GroupRoot, with a GroupSync for an exchange")
     sync = root.sync if rank == 0 and exchange else None
-    g = _GroupModel(job, workload, paths.checkpoints)
+    g = _GroupModel(job, workload, checkpoints)
     _start_weights(hvd, g, sync, group)
     duties = None
     if rank == 0:
-        paths.checkpoints.mkdir(parents=True, exist_ok=True)
-        write_manifest(paths.checkpoints, job, stats, g.input_shape, g.model)
-        duties = _RootDuties(job, root, paths, g, group=group, ranks=size, exchange=exchange, report=report or {})
+        root.recorder.manifest(g.input_shape, [name for name, _ in g.model.named_variables()])
+        duties = _RootDuties(job, root, g, group=group, ranks=size, exchange=exchange, report=report or {})
     batches = workload.train_batches(job, stats, group * size + rank, groups * size, seed=job.train.seed + g.resumed_from)
     train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, hvd)
     coordinate = exchange or stop_requested is not None
-    own_times = StepTimeLog(paths.step_times) if paths.step_times is not None else None
+    own_times = step_times
     stopped = False
     try:
         for current in range(g.resumed_from + 1, job.train.steps + 1):
@@ -341,10 +308,9 @@ def train_group(job: Job, workload, hvd, paths: GroupPaths, stats: dict[str, Any
     if duties is not None:
         duties.recorder.close()
     final = {**(last or report or {}), "step": int(g.step.numpy()),
-             "state": State.STOPPED if stopped else State.FINISHED,
              "replicas_identical": bool((digests == digests[0]).all())}
     # collective: the rounds that agree the end was saved
-    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final,
+    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final, stopped,
                   job.train.final_save_retry_s, sync)
     return TrainResult(model=g.model, last_metrics=last, steps_run=int(g.step.numpy()) - g.resumed_from,
                        stopped=stopped)
@@ -359,8 +325,8 @@ def _non_finite_reason(step: int, finite: np.ndarray, names: list[str], resumed_
             + ("" if step > resumed_from + 1 else "; it happened at the first step after the start"))
 
 
-def _save_the_end(hvd, recorder: _Recorder | None, manager, final: dict[str, Any], retry_s: float,
-                  sync: GroupSync | None) -> None:
+def _save_the_end(hvd, recorder: Recorder | None, manager, final: dict[str, Any], stopped: bool,
+                  retry_s: float, sync: GroupSync | None) -> None:
     """No group says it ended before its last checkpoint, its held updates and its final state
     are written: on a full disk rank 0 tries again with back-off for up to ``retry_s``, then every
     rank raises FinalSaveFailed. Rank 0 decides each round and the group agrees on it in one
@@ -374,7 +340,7 @@ def _save_the_end(hvd, recorder: _Recorder | None, manager, final: dict[str, Any
             flushed = sync is None or sync.flush()
             if sync is not None:
                 final.update(sync.stats())
-            written = flushed and recorder.has_checkpoint(final["step"]) and recorder.state(final)
+            written = flushed and recorder.has_checkpoint(final["step"]) and recorder.end(final, stopped=stopped)
             verdict = 1 if written else 0 if time.monotonic() < deadline else -1
         verdict = int(hvd.allreduce(tf.constant([verdict], tf.int32), op=hvd.Min, name="end_saved").numpy()[0])
         if verdict == 1:
@@ -403,7 +369,7 @@ def _assign(variables: list[tf.Variable], names: list[str], values: dict[str, np
         var.assign(values[name])
 
 
-def _restore_model(model, prefix: str) -> str | None:
+def restore_model(model, prefix: str) -> str | None:
     """Restore the model's variables from ``prefix``; why not, in one line, if it cannot be."""
     checkpoint = tf.train.Checkpoint(model=model)
     try:
@@ -422,35 +388,3 @@ def _restore_model(model, prefix: str) -> str | None:
     finally:
         logger.setLevel(level)
     return reason
-
-
-class CheckpointUnreadable(ValueError):
-    """A checkpoint TensorFlow cannot restore into the model its manifest describes."""
-
-
-def load_model(checkpoint: Path, workload_for: Callable[[str], Any]):
-    """Rebuild a model from a checkpoint directory or prefix and its manifest.
-
-    Returns (model, manifest). Only TensorFlow's checkpoint format and JSON are read.
-    """
-    from hpcdl.jobfile import job_from_dict
-
-    directory = checkpoint if checkpoint.is_dir() else checkpoint.parent
-    manifest_path = directory / MANIFEST
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{checkpoint} is not an hpcdl checkpoint (no {MANIFEST} beside it)")
-    manifest = json.loads(manifest_path.read_text())
-    prefix = tf.train.latest_checkpoint(str(directory)) if checkpoint.is_dir() else str(checkpoint)
-    if prefix is None or not Path(prefix + ".index").is_file():
-        raise FileNotFoundError(f"{checkpoint} holds no checkpoint yet")
-    job = job_from_dict(manifest["job"])
-    workload = workload_for(manifest["workload"])
-    try:
-        model = workload.build_model(job.model, tuple(manifest["input_shape"]), seed=0)
-    except ValueError as exc:
-        raise CheckpointUnreadable(f"{manifest_path}: its model cannot be built ({exc})") from None
-    reason = _restore_model(model, prefix)
-    if reason:
-        raise CheckpointUnreadable(f"{prefix}: the checkpoint is damaged or not this manifest's model ({reason})")
-    manifest["checkpoint"] = prefix
-    return model, manifest

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from hpcdl.config import RUNS_DIR
 from hpcdl.runs import RunDir, RunError, find_run, list_runs
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import Scheduler, SchedulerError
@@ -28,7 +29,7 @@ def scheduler_of(run: RunDir) -> Scheduler:
     return get_scheduler(run.info()["backend"])
 
 
-def newest_active_run(runs_dir: str | Path = "runs") -> tuple[RunDir | None, list[RunDir]]:
+def newest_active_run(runs_dir: str | Path = RUNS_DIR) -> tuple[RunDir | None, list[RunDir]]:
     """The newest run (by creation) under runs_dir that still has something queued or running,
     and the runs whose state could not be told (a controller that did not answer); a run that
     finished, failed or was cancelled is never picked."""
@@ -52,7 +53,7 @@ def newest_active_run(runs_dir: str | Path = "runs") -> tuple[RunDir | None, lis
     return None, unknown
 
 
-def cancel_run(ref: str | None, runs_dir: str | Path = "runs") -> str:
+def cancel_run(ref: str | None, runs_dir: str | Path = RUNS_DIR) -> str:
     """`hpcdl cancel [RUN]`: the named run, or (None) the newest run that is still active."""
     if ref:
         run = find_run(ref, runs_dir)

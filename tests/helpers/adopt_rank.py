@@ -10,7 +10,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.jobfile import load_job
-from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
+from hpcdl.engine.train import GroupRoot, train_group
+from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 
@@ -43,9 +44,10 @@ stats = workload.compute_stats(job)
 finals = {}
 for name, sync in (("plain", None), ("adopting", EchoSync())):
     d = out / name
-    paths = GroupPaths(d / "ckpt", d / "metrics.jsonl", d / "state.json", d / "tb")
-    result = train_group(job, workload, hvd, paths, stats, group=0, groups=1,
-                         root=GroupRoot(StorageReport(d / "storage.json"), sync), exchange=sync is not None)
+    recorder = GroupRecorder(job, stats, StorageReport(d / "storage.json"), checkpoints=d / "ckpt",
+                             metrics=d / "metrics.jsonl", state=d / "state.json", tensorboard=d / "tb")
+    result = train_group(job, workload, hvd, d / "ckpt", stats, group=0, groups=1,
+                         root=GroupRoot(recorder, sync), exchange=sync is not None)
     finals[name] = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / "finals.npz", **{f"{k}/{n}": v for k, w in finals.items() for n, v in w.items()})
 print(json.dumps({"adoptions": sync.adoptions}))

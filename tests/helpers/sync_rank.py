@@ -8,7 +8,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 
 from hpcdl.jobfile import load_job
-from hpcdl.engine.train import GroupPaths, GroupRoot, train_group
+from hpcdl.engine.train import GroupRoot, train_group
+from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
 
@@ -19,9 +20,9 @@ workload = get_workload("hep")
 stats = workload.compute_stats(job)
 first_batch = next(workload.train_batches(job, stats, hvd.rank(), hvd.size(), seed=job.train.seed))
 initial = {n: v.numpy() for n, v in workload.build_model(job.model, workload.input_shape(job), seed=0).named_variables()}
-paths = GroupPaths(out / "ckpt", out / "metrics.jsonl", out / "state.json", out / "tb")
-result = train_group(job, workload, hvd, paths, stats, group=0, groups=1,
-                     root=GroupRoot(StorageReport(out / "storage.json")) if hvd.rank() == 0 else None)
+root = GroupRoot(GroupRecorder(job, stats, StorageReport(out / "storage.json"), checkpoints=out / "ckpt",
+                               metrics=out / "metrics.jsonl", state=out / "state.json", tensorboard=out / "tb"))
+result = train_group(job, workload, hvd, out / "ckpt", stats, group=0, groups=1, root=root if hvd.rank() == 0 else None)
 final = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / f"rank{hvd.rank()}.npz", first_x=first_batch[0],
          **{f"final/{n}": v for n, v in final.items()}, **{f"initial/{n}": v for n, v in initial.items()})
