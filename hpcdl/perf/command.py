@@ -74,7 +74,7 @@ def make_plan(request: PlanRequest, *, note: Callable[[str], None] = lambda _: N
         result = plan_groups(inputs, request.nodes, list(request.group_counts) or None, seed=request.seed,
                              staleness_bound=request.staleness_bound, max_utilisation=request.max_applier_util,
                              max_exchange_share=request.max_exchange_share)
-        accuracy = _race(request, aim, inputs, groups, race_progress) if aim else None
+        accuracy = _race(request, aim, inputs, groups, note, race_progress) if aim else None
     except PlanInputError:
         raise
     except ValueError as exc:
@@ -123,16 +123,26 @@ def _race_groups(request: PlanRequest) -> list[int]:
     return groups
 
 
-def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[int],
+def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[int], note: Callable[[str], None],
           race_progress: Callable[[int], Callable[[str], None]] | None):
     from hpcdl.perf.race_worker import plan_accuracy
 
     job = load_job(request.job, list(request.overrides))  # the exchange the plan models is the one raced
-    on_race = race_progress(len(groups) * (3 + request.race_seeds)) if race_progress else None
+    races = len(groups) * (3 + request.race_seeds)
+    if request.race_budget_s:
+        note(f"timing a step and a score of the job here: {races} races must fit --race-budget "
+             f"({request.race_budget_s / 60:g} min)")
+    started: list[Callable[[str], None]] = []
+
+    def on_race(what: str) -> None:  # the bar appears once the races begin, not while timing
+        if not started:
+            started.append(race_progress(races))
+        started[0](what)
+
     return plan_accuracy(get_workload(job.workload), job, inputs, request.nodes, aim,
                          race_ranks=request.race_ranks, groups=groups, steps=request.race_steps,
                          race_seeds=request.race_seeds, tuning_seed=100 + request.seed,
-                         budget_s=request.race_budget_s, progress=on_race)
+                         budget_s=request.race_budget_s, progress=on_race if race_progress else None)
 
 
 def with_job_network(inputs: PlanInputs, job_ref: str) -> PlanInputs:

@@ -154,3 +154,24 @@ def test_the_shipped_climate_job_races_to_a_detection_map(job, tmp_path):
     assert any("the untrained model scored map50 0" in b for b in acc["basis"]), acc["basis"]
     means = [key[-1] for o in acc["outcomes"] for key in o["tried"].values()]  # each rate's mean map50
     assert all(math.isfinite(m) and 0.0 <= m <= 1.0 for m in means), acc["outcomes"]
+
+
+def test_the_race_bar_appears_once_the_races_begin_after_the_budget_is_checked(monkeypatch):
+    """While plan times a step and a score against --race-budget, it says so; no bar sits at 0."""
+    import hpcdl.perf.race_worker as race_worker
+    from hpcdl.perf.command import PlanRequest, make_plan
+
+    events = []
+
+    def races(workload, job, inputs, nodes, aim, *, groups, race_seeds, budget_s, progress, **_):
+        events.append(f"budget {budget_s:g} s")
+        for g in groups:
+            for _seed in range(3 + race_seeds):
+                progress(f"G={g}")
+
+    monkeypatch.setattr(race_worker, "plan_accuracy", races)
+    make_plan(PlanRequest(job="hep", nodes=8, node_flops=1e11, target="loss=0.3", group_counts=(1, 2), race_seeds=1),
+              note=lambda text: events.append("note: " + text.split(":")[0]),
+              race_progress=lambda n: events.append(f"bar of {n}") or (lambda what: events.append(what)))
+    assert events == ["note: timing a step and a score of the job here", "budget 900 s", "bar of 8",
+                      *["G=1"] * 4, *["G=2"] * 4]
