@@ -43,6 +43,25 @@ def validation_text(v: Mapping[str, Any] | None) -> str:
 
 
 def status_view(status: Mapping[str, Any]):
+    """`hpcdl status`: storage warnings, the groups' table and what did not fit its cells, the
+    appliers, the totals."""
+    below: list[str] = []  # what does not fit a cell: long reasons would squeeze every column to "…"
+    parts = [_groups_table(status, below), *below, *_group_notes(status)]
+    warnings = storage_warnings(status.get("storage") or [])
+    if warnings is not None:
+        parts.insert(0, warnings)
+    if status.get("applier") is not None:
+        parts += _applier_parts(status["applier"])
+    t = status["totals"]
+    per_node = (t["sustained_flops_per_s"] / t["nodes"]) if t.get("sustained_flops_per_s") else None
+    parts.append(
+        f"total: {_num(t['images_per_s'], '{:.1f}')} images/s · sustained {si(t['sustained_flops_per_s'], 'FLOP/s')}"
+        f" ({si(per_node, 'FLOP/s')} per node) · peak {si(t['peak_flops_per_s'], 'FLOP/s')}"
+    )
+    return Group(*parts)
+
+
+def _status_title(status: Mapping[str, Any]) -> str:
     title = (f"[bold]{status['run_id']}[/] · {status['workload']} · {status['backend']} · "
              f"[bold]{status['state']}[/]" + (f" · {status['note']}" if status.get("note") else ""))
     x = status.get("exchange")
@@ -55,11 +74,14 @@ def status_view(status: Mapping[str, Any]):
                   + (f", shard {e['slow_shard']} {e['slow_factor']:g}× slow" if e["slow_shard"] >= 0 else "")
                   + (f", shard {e['kill_shard']} killed at {e['kill_after_s']:g} s" if e["kill_shard"] >= 0 else "")
                   + "[/]")
-    groups = Table(title=title, title_justify="left", expand=False)
+    return title
+
+
+def _groups_table(status: Mapping[str, Any], below: list[str]) -> Table:
+    groups = Table(title=_status_title(status), title_justify="left", expand=False)
     for column in ("grp", "state", "step", "loss", "val", "img/s", "FLOP/s", "sustained",
                    "xchg age", "stale", "restarts", "requeues"):
         groups.add_column(column, justify="left" if column == "state" else "right", no_wrap=True)
-    below = []  # what does not fit a cell: long reasons would squeeze every column to "…"
     for g in status["groups"]:
         stale = "-"
         if g.get("staleness_mean") is not None:
@@ -68,55 +90,53 @@ def status_view(status: Mapping[str, Any]):
                        _num(g["loss"]), validation_text(g.get("validation")), _num(g["images_per_s"], "{:.1f}"),
                        si(g["flops_per_s"]), si(g["sustained_flops_per_s"]), _age(g.get("exchange_age_s")),
                        stale, str(g.get("crash_restarts", 0)), str(g.get("planned_requeues", 0)))
-    parts = [groups, *below]
+    return groups
+
+
+def _group_notes(status: Mapping[str, Any]) -> list[str]:
+    """Each failed group's last error and logs; why each other unfinished group ended."""
+    notes = []
     for g in status["groups"]:
         if "logs" in g:
             reason = escape(g["last_error"]) if g.get("last_error") else "no error line in its logs"
             if g.get("reason") and g["reason"] not in (g.get("last_error") or ""):
                 reason += f"\n  {escape(g['reason'])}"  # hpcdl's word on its restarts
             where = ", ".join(escape(p) for p in g["logs"]) or "no log files"
-            parts.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
+            notes.append(f"[red]group {g['group']} {g['state']}[/]: {reason}\n  logs: {where} "
                          f"(hpcdl logs {escape(status['run_dir'])} --group {g['group']})")
         elif g.get("why"):
-            parts.append(f"[yellow]group {g['group']} {g['state']}[/]: {escape(g['why'])}")
-    warnings = storage_warnings(status.get("storage") or [])
-    if warnings is not None:
-        parts.insert(0, warnings)
-    applier = status.get("applier")
-    if applier is not None:
-        shards = applier.get("shards") or []
-        table = Table(title="applier (master weights)" + (f", {len(shards)} shards" if shards else ""),
-                      title_justify="left")
-        columns = ["state", "version", "applied", "dropped", "rejected", "backlog", "stale mean/max",
-                   "CPU/update"]
-        for column in (["shard"] if shards else []) + columns:
-            table.add_column(column, justify="right", no_wrap=True)
-        for row in shards or [applier]:
-            backend = row.get("backend") or {}
-            running = backend.get("state") or ("running" if backend.get("running") else
-                                               "failed" if row.get("phase") == "failed" else "stopped")
-            where = backend.get("nodes") or backend.get("reason") or row.get("host")  # its node, or why it waits
-            running += f" ({where})" if where else ""
-            cells = [running, _num(row.get("version"), "{}"), _num(row.get("applied"), "{}"),
-                     _num(row.get("dropped"), "{}"), _num(row.get("rejected"), "{}"),
-                     _num(row.get("backlog"), "{}"),
-                     f"{_num(row.get('staleness_mean'), '{:.2f}')}/{_num(row.get('staleness_max'), '{}')}",
-                     _num(row.get("cpu_per_update_s") and row["cpu_per_update_s"] * 1e3, "{:.1f} ms")]
-            table.add_row(*([f"shard {row['shard']}"] if shards else []), *cells)
-        parts.append(table)
-        for row in shards or [applier]:
-            which = f"applier shard {row['shard']}" if shards else "applier"
-            if row.get("error"):
-                parts.append(f"[red]{which} failed[/]: {escape(row['error'])}")
-            elif row.get("recovered"):
-                parts.append(f"[yellow]{which} recovered[/]: {escape(row['recovered'])}")
-    t = status["totals"]
-    per_node = (t["sustained_flops_per_s"] / t["nodes"]) if t.get("sustained_flops_per_s") else None
-    parts.append(
-        f"total: {_num(t['images_per_s'], '{:.1f}')} images/s · sustained {si(t['sustained_flops_per_s'], 'FLOP/s')}"
-        f" ({si(per_node, 'FLOP/s')} per node) · peak {si(t['peak_flops_per_s'], 'FLOP/s')}"
-    )
-    return Group(*parts)
+            notes.append(f"[yellow]group {g['group']} {g['state']}[/]: {escape(g['why'])}")
+    return notes
+
+
+def _applier_parts(applier: Mapping[str, Any]) -> list:
+    """The appliers' table (a row per shard) and each one's failure or recovery."""
+    shards = applier.get("shards") or []
+    table = Table(title="applier (master weights)" + (f", {len(shards)} shards" if shards else ""),
+                  title_justify="left")
+    columns = ["state", "version", "applied", "dropped", "rejected", "backlog", "stale mean/max", "CPU/update"]
+    for column in (["shard"] if shards else []) + columns:
+        table.add_column(column, justify="right", no_wrap=True)
+    for row in shards or [applier]:
+        backend = row.get("backend") or {}
+        running = backend.get("state") or ("running" if backend.get("running") else
+                                           "failed" if row.get("phase") == "failed" else "stopped")
+        where = backend.get("nodes") or backend.get("reason") or row.get("host")  # its node, or why it waits
+        running += f" ({where})" if where else ""
+        cells = [running, _num(row.get("version"), "{}"), _num(row.get("applied"), "{}"),
+                 _num(row.get("dropped"), "{}"), _num(row.get("rejected"), "{}"),
+                 _num(row.get("backlog"), "{}"),
+                 f"{_num(row.get('staleness_mean'), '{:.2f}')}/{_num(row.get('staleness_max'), '{}')}",
+                 _num(row.get("cpu_per_update_s") and row["cpu_per_update_s"] * 1e3, "{:.1f} ms")]
+        table.add_row(*([f"shard {row['shard']}"] if shards else []), *cells)
+    parts: list = [table]
+    for row in shards or [applier]:
+        which = f"applier shard {row['shard']}" if shards else "applier"
+        if row.get("error"):
+            parts.append(f"[red]{which} failed[/]: {escape(row['error'])}")
+        elif row.get("recovered"):
+            parts.append(f"[yellow]{which} recovered[/]: {escape(row['recovered'])}")
+    return parts
 
 
 WHERE_IN_CELL = 24  # longer (a list of unavailable nodes) goes below the table

@@ -233,29 +233,17 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     """One rank of a group: tune the CPU before TensorFlow loads, join the group, train."""
     mpi = job.run.controller == "mpi"
     rank_env, report = _place(args, run, job, mpi)
-    # The local backend runs every rank of every group on this host (under mpirun too); under
-    # SLURM a node holds its group's ranks_per_node.
-    on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
-    # Before TensorFlow loads: mixed_bfloat16 on a node without a bfloat16 unit would run every
-    # convolution emulated (submit checked only the local backend's CPU).
-    refusal = precision_refusal(job.tuning, read_cpuinfo())
-    if refusal:
-        print(f"hpcdl rank {rank_env.rank}: {refusal}", file=sys.stderr, flush=True)
+    plan = _thread_plan(job, args, rank_env)
+    if plan is None:
         return EXIT_USER_ERROR
-    # Under srun, SLURM may give each task its own CPUs; on the local backend an enclosing
-    # allocation's SLURM_CPUS_PER_TASK is the whole supervisor's share, not a rank's.
-    plan = plan_for_this_process(job.tuning, on_host, os.environ,
-                                 cpus_per_task=slurm_cpus_per_task(os.environ) if args.slurm else None)
     os.environ.update(plan.environment())
     print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)
 
     import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
 
-    from hpcdl.engine.train import GroupRoot, train_group
+    from hpcdl.engine.train import train_group
     from hpcdl.engine.tuning import configure_tensorflow
-    from hpcdl.group_files import GroupRecorder
     from hpcdl.steptimes import StepTimeLog
-    from hpcdl.storage import StorageReport
     from hpcdl.workloads import get_workload
 
     configure_tensorflow(plan)
@@ -266,14 +254,12 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     workload = get_workload(job.workload)
     stats = ensure_stats(run, workload, job, is_root=root)
     exchange = job.exchange.active(job.run.groups)
-    storage = StorageReport(run.storage_file(group)) if root else None
-    sync = None
-    if exchange and root:
-        from hpcdl.run_exchange import group_exchange
+    stop_mark = run.stop_mark(group)
 
-        sync = group_exchange(run, job, group, storage)
-    recorder = GroupRecorder(job, stats, storage, checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
-                             state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group)) if root else None
+    def stop_requested() -> bool:
+        # Rank 0's view is enough: the engine spreads it to the group with a collective.
+        return stop["requested"] or (root and stop_mark.exists())
+
     pace = None
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator
@@ -281,23 +267,9 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         emulator = Emulator(job.emulate, group * hvd.size() + hvd.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
         report["emulated"] = emulator.describe()
-    stop_mark = run.stop_mark(group)
-
-    def stop_requested() -> bool:
-        # Rank 0's view is enough: the engine spreads it to the group with a collective.
-        return stop["requested"] or (root and stop_mark.exists())
-
-    if sync is not None:
-        sync.interrupt = stop_requested
-    validate = None
-    val = Path(getattr(job.data, "val", "") or "")
-    # With an exchange the master weights are scored, once: by group 0's root.
-    if job.train.validate_every and val.is_file() and (group == 0 or not exchange):
-        validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
-
     result = train_group(job, workload, hvd, run.checkpoint_dir(group), stats, group=group, groups=job.run.groups,
-                         root=GroupRoot(recorder, sync, validate) if root else None, exchange=exchange,
-                         stop_requested=stop_requested, report=report, pace=pace,
+                         root=_group_root(run, job, workload, stats, exchange, group, stop_requested) if root else None,
+                         exchange=exchange, stop_requested=stop_requested, report=report, pace=pace,
                          step_times=StepTimeLog(run.step_times_file(group, hvd.rank())))
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
@@ -305,6 +277,45 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         run.requeue_mark(group).touch()
     hvd.shutdown()
     return EXIT_OK
+
+
+def _thread_plan(job, args: argparse.Namespace, rank_env: RankEnv):
+    """The rank's CPU tuning, before TensorFlow loads; None (said on stderr) for a precision this
+    node cannot run: mixed_bfloat16 without a bfloat16 unit would run every convolution emulated
+    (submit checked only the local backend's CPU)."""
+    refusal = precision_refusal(job.tuning, read_cpuinfo())
+    if refusal:
+        print(f"hpcdl rank {rank_env.rank}: {refusal}", file=sys.stderr, flush=True)
+        return None
+    # The local backend runs every rank of every group on this host (under mpirun too); under
+    # SLURM a node holds its group's ranks_per_node, and srun may give each task its own CPUs (on
+    # the local backend an enclosing allocation's SLURM_CPUS_PER_TASK is the whole supervisor's).
+    on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
+    return plan_for_this_process(job.tuning, on_host, os.environ,
+                                 cpus_per_task=slurm_cpus_per_task(os.environ) if args.slurm else None)
+
+
+def _group_root(run: RunDir, job, workload, stats: dict, exchange: bool, group: int, stop_requested):
+    """What rank 0 alone is given: its recorder, its exchange (which a stop request interrupts)
+    and its validation -- with an exchange the master weights are scored once, by group 0's root."""
+    from hpcdl.engine.train import GroupRoot
+    from hpcdl.group_files import GroupRecorder
+    from hpcdl.storage import StorageReport
+
+    storage = StorageReport(run.storage_file(group))
+    recorder = GroupRecorder(job, stats, storage, checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
+                             state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group))
+    sync = None
+    if exchange:
+        from hpcdl.run_exchange import group_exchange
+
+        sync = group_exchange(run, job, group, storage)
+        sync.interrupt = stop_requested
+    validate = None
+    val = Path(getattr(job.data, "val", "") or "")
+    if job.train.validate_every and val.is_file() and (group == 0 or not exchange):
+        validate = functools.partial(workload.validate, stats=stats, data=val, limit=job.train.validate_events)
+    return GroupRoot(recorder, sync, validate)
 
 
 if __name__ == "__main__":

@@ -262,20 +262,34 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
 
     if budget_s:
         races = len(groups) * (3 + race_seeds)  # a sweep's three rates and the race seeds, each count
-        one, step = race_wall_seconds(workload, race_job(1, job.train.learning_rate, tuning_seed), stats, scorer,
-                                      steps, scores)
-        if races * one > budget_s:
-            raise ValueError(
-                f"racing {races} times {steps} steps of {race_ranks} ranks × {job.train.batch_per_rank} examples "
-                f"would take about {duration(races * one)} here ({step:.2g} s a step), over the budget of "
-                f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
-                f"smaller copy of the job (narrower model, smaller batch) and say so; --race-budget 0 races anyway")
+        _check_budget(workload, race_job(1, job.train.learning_rate, tuning_seed), stats, scorer, steps, scores,
+                      races, race_ranks, budget_s)
     centres = {g: job.train.learning_rate if g == 1 else
                applier_learning_rate(job.exchange, job.train.learning_rate, g) for g in groups}
     outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],
                            race_seeds=list(range(race_seeds)), extend=extend)
-    best = recommend(outcomes)
-    basis = [
+    basis = _basis(job, inputs, nodes, target, race_ranks, tuning_seed, extend, race_seeds, horizon, steps, every,
+                   untrained)
+    return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, recommend(outcomes), basis)
+
+
+def _check_budget(workload, job, stats, scorer, steps: int, scores: int, races: int, race_ranks: int,
+                  budget_s: float) -> None:
+    """Refuse a plan this machine would take longer than `budget_s` for, its estimate from one
+    timed step and score of the job here (ValueError)."""
+    one, step = race_wall_seconds(workload, job, stats, scorer, steps, scores)
+    if races * one > budget_s:
+        raise ValueError(
+            f"racing {races} times {steps} steps of {race_ranks} ranks × {job.train.batch_per_rank} examples "
+            f"would take about {duration(races * one)} here ({step:.2g} s a step), over the budget of "
+            f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
+            f"smaller copy of the job (narrower model, smaller batch) and say so; --race-budget 0 races anyway")
+
+
+def _basis(job, inputs, nodes: int, target, race_ranks: int, tuning_seed: int, extend: int, race_seeds: int,
+           horizon: float, steps: int, every: float, untrained: list[float]) -> list[str]:
+    """What the recommendation rests on: a line each for the learning, the time and the rates."""
+    return [
         f"learning: the job's model and data, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
         f"examples in G groups (a group's step averages its ranks' gradients); steps to {target} are assumed "
         f"not to change between {race_ranks} and {nodes} nodes",
@@ -288,4 +302,3 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
         f"horizon {horizon:.3g} s ({steps} synchronous steps), scored every {every:.3g} s; "
         f"the untrained model scored {target.metric} {min(untrained):.3g}–{max(untrained):.3g}",
     ]
-    return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, best, basis)
