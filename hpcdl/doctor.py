@@ -102,7 +102,15 @@ def report(setup: RankSetup) -> dict[str, Any]:
                            "none loaded (oneDNN runs on TensorFlow's thread pool: OMP_*/KMP_* "
                            "only reach OpenMP-linked libraries)"),
     }
-    info.update(_numpy_blas(cpu))
+    return {**info, **_numpy_blas(cpu), **_collectives()}
+
+
+def _collectives() -> dict[str, Any]:
+    """How Horovod was built (a broken build is exactly what doctor must report) and the MPI
+    launcher the local backend would use."""
+    from hpcdl.launch import find_mpi_launcher
+
+    info: dict[str, Any] = {}
     try:
         import horovod
         import horovod.tensorflow as hvd
@@ -115,10 +123,8 @@ def report(setup: RankSetup) -> dict[str, Any]:
         })
         if not hvd.mpi_built():
             info["horovod_mpi_why"] = 'built without MPI: run.controller = "mpi" needs `make install MPI=1`'
-    except Exception as exc:  # a broken Horovod build is exactly what doctor must report
+    except Exception as exc:
         info.update({"horovod": f"unusable: {exc}", "horovod_tensorflow": False})
-    from hpcdl.launch import find_mpi_launcher
-
     launcher = find_mpi_launcher()
     info["mpi_launcher"] = (f"{launcher.path} ({'Open MPI' if launcher.open_mpi else 'not Open MPI'})" if launcher
                             else 'none on PATH (the local backend\'s run.controller = "mpi" needs mpirun)')

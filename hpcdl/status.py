@@ -76,13 +76,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
     applier = None
     if job.exchange.active(job.run.groups):
         applier = _appliers_summary(run, job, backend_view.get("applier"))
-        for entry in groups:
-            # staleness is measured per shard: the group's worst
-            per_shard = [row["groups"].get(str(entry["group"]), {}) for row in applier.get("shards") or [applier]]
-            means = [p["staleness_mean"] for p in per_shard if p.get("staleness_mean") is not None]
-            maxima = [p["staleness_max"] for p in per_shard if p.get("staleness_max") is not None]
-            entry["staleness_mean"] = max(means) if means else None
-            entry["staleness_max"] = max(maxima) if maxima else None
+        _add_staleness(groups, applier)
     storage = _storage_warnings(run, job, groups, applier is not None)
     totals = {
         # running groups' rates; once none runs, the rates they last reported
@@ -211,6 +205,16 @@ def _storage_warnings(run: RunDir, job, groups: list[dict[str, Any]], exchange: 
             out.append({"where": "file system", "what": "free space", "error": warning, "count": None,
                         "age_s": 0.0, "detail": ""})
     return out
+
+
+def _add_staleness(groups: list[dict[str, Any]], applier: dict[str, Any]) -> None:
+    """Each group's staleness, measured per shard: the group's worst."""
+    for entry in groups:
+        per_shard = [row["groups"].get(str(entry["group"]), {}) for row in applier.get("shards") or [applier]]
+        means = [p["staleness_mean"] for p in per_shard if p.get("staleness_mean") is not None]
+        maxima = [p["staleness_max"] for p in per_shard if p.get("staleness_max") is not None]
+        entry["staleness_mean"] = max(means) if means else None
+        entry["staleness_max"] = max(maxima) if maxima else None
 
 
 def _appliers_up(backend: dict[str, Any] | None) -> bool:

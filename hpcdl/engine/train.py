@@ -215,6 +215,19 @@ class _RootDuties:
         self.recorder.validation(step, self.validation)
 
 
+def _adopt_or_stop(hvd, g: _GroupModel, sync: GroupSync | None, step: int, grads,
+                   stop_requested: Callable[[], bool] | None) -> tuple[bool, bool]:
+    """Collective: whether the group adopts the newer master weights rank 0's exchange returned,
+    and whether it stops; on adoption, rank 0's weights are broadcast."""
+    adopted = sync.after_step(step, lambda: g.values(grads), g.values) if sync is not None else None
+    adopt, stop = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
+    if adopt:
+        if hvd.rank() == 0:
+            g.assign(adopted)
+        hvd.broadcast_variables(g.variables, root_rank=0)
+    return adopt, stop
+
+
 def _agree(hvd, adopted: bool, stop: bool) -> tuple[bool, bool]:
     """One small collective decides, for all ranks at the same step, whether to adopt the master
     weights the root read (only the root touches the shared directory) and whether to stop
@@ -251,9 +264,9 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
     `pace(step, started)`, called after each step with the step's start (perf_counter), may stretch
     it (the straggler emulator, hpcdl.emulate) and returns the seconds it stretches it to. Each
     rank records its own time of every step in `step_times`: its forward and backward, or the
-    emulated time if longer. Every rank restores from and rank 0 saves to `checkpoints`. Validation runs every `train.validate_every` steps
-    and at the end; with an exchange, at the first adoption from then on, so it scores the master
-    weights.
+    emulated time if longer. Every rank restores from and rank 0 saves to `checkpoints`.
+    Validation runs every `train.validate_every` steps and at the end; with an exchange, at the
+    first adoption from then on, so it scores the master weights.
 
     The loop below is the order of the group's collectives, identical on every rank.
     """
@@ -283,14 +296,8 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
                 own = float(own_seconds)
                 own_times.record(current, own if paced is None else max(own, paced))
             g.step.assign(current)
-            adopt = False
-            if coordinate:  # collective: whether to adopt and to stop; on adoption, the broadcast
-                adopted = sync.after_step(current, lambda: g.values(grads), g.values) if sync is not None else None
-                adopt, stopped = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
-                if adopt:
-                    if rank == 0:
-                        g.assign(adopted)
-                    hvd.broadcast_variables(g.variables, root_rank=0)
+            adopt, stopped = (_adopt_or_stop(hvd, g, sync, current, grads, stop_requested) if coordinate
+                              else (False, False))
             if duties is not None:
                 duties.after_step(current, loss, g.model, adopted=adopt, stopping=stopped)
             if stopped:
@@ -302,16 +309,21 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
         # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
         batches.close()
 
-    # collective: data parallelism's invariant, asked of the ranks themselves (an 8-byte digest each)
+    return _finish(hvd, g, duties, report, stopped, job.train.final_save_retry_s, sync)
+
+
+def _finish(hvd, g: _GroupModel, duties: _RootDuties | None, report: dict[str, Any] | None, stopped: bool,
+            retry_s: float, sync: GroupSync | None) -> TrainResult:
+    """The group's end, in collectives every rank takes: whether the replicas are identical, then
+    the rounds that agree the end was saved."""
+    # data parallelism's invariant, asked of the ranks themselves (an 8-byte digest each)
     digests = hvd.allgather(tf.constant([weights_digest(g.variables)], tf.int64), name="replica_digests").numpy()
     last = duties.last if duties is not None else {}
     if duties is not None:
         duties.recorder.close()
     final = {**(last or report or {}), "step": int(g.step.numpy()),
              "replicas_identical": bool((digests == digests[0]).all())}
-    # collective: the rounds that agree the end was saved
-    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final, stopped,
-                  job.train.final_save_retry_s, sync)
+    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final, stopped, retry_s, sync)
     return TrainResult(model=g.model, last_metrics=last, steps_run=int(g.step.numpy()) - g.resumed_from,
                        stopped=stopped)
 
