@@ -339,27 +339,7 @@ def plot_roc(
     ax.plot(diag, diag, color="0.6", lw=1, ls=":", label="random guess")
 
     if selection is not None:
-        sel_fpr, sel_tpr = (float(v) for v in selection)
-        if not (0.0 <= sel_fpr <= 1.0 and 0.0 <= sel_tpr <= 1.0):
-            raise ValueError(f"selection must be (fpr, tpr) in [0, 1]^2, got {selection!r}")
-        k = _operating_point(fpr, tpr, thr, sel_fpr)
-        cnn_fpr, cnn_tpr = float(fpr[k]), float(tpr[k])
-        if sel_fpr > 0:
-            ax.axvline(sel_fpr, color="0.75", lw=0.8, ls="--", zorder=0)
-            ax.plot([sel_fpr], [sel_tpr], "s", color="C3", ms=8,
-                    label=f"selection (passSR): FPR={sel_fpr:.3g}, TPR={sel_tpr:.3f}")
-            ax.annotate("selection", (sel_fpr, sel_tpr), xytext=(8, -14), textcoords="offset points",
-                        color="C3", fontsize=9)
-        else:
-            ax.plot([], [], "s", color="C3", label=f"selection: FPR=0 (off the log axis), TPR={sel_tpr:.3f}")
-        if cnn_fpr > 0:
-            ax.plot([cnn_fpr], [cnn_tpr], "o", color="C2", ms=8,
-                    label=f"CNN at FPR \u2264 {sel_fpr:.3g}: TPR={cnn_tpr:.3f}")
-            ax.annotate("CNN", (cnn_fpr, cnn_tpr), xytext=(-30, 6), textcoords="offset points",
-                        color="C2", fontsize=9)
-        else:
-            ax.plot([], [], "o", color="C2", label=f"CNN at FPR=0: TPR={cnn_tpr:.3f} (off the log axis)")
-        x_lo = min(x_lo, 10 ** math.floor(math.log10(sel_fpr))) if sel_fpr > 0 else x_lo
+        x_lo = _mark_selection(ax, fpr, tpr, thr, selection, x_lo)
 
     ax.set_xscale("log")
     ax.set_xlim(x_lo, 1.0)
@@ -370,6 +350,31 @@ def plot_roc(
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)
     return save_png(fig, path)
+
+
+def _mark_selection(ax, fpr, tpr, thr, selection: Tuple[float, float], x_lo: float) -> float:
+    """Mark the physics selection and the CNN's operating point at its FPR; the axis' new left end."""
+    sel_fpr, sel_tpr = (float(v) for v in selection)
+    if not (0.0 <= sel_fpr <= 1.0 and 0.0 <= sel_tpr <= 1.0):
+        raise ValueError(f"selection must be (fpr, tpr) in [0, 1]^2, got {selection!r}")
+    k = _operating_point(fpr, tpr, thr, sel_fpr)
+    cnn_fpr, cnn_tpr = float(fpr[k]), float(tpr[k])
+    if sel_fpr > 0:
+        ax.axvline(sel_fpr, color="0.75", lw=0.8, ls="--", zorder=0)
+        ax.plot([sel_fpr], [sel_tpr], "s", color="C3", ms=8,
+                label=f"selection (passSR): FPR={sel_fpr:.3g}, TPR={sel_tpr:.3f}")
+        ax.annotate("selection", (sel_fpr, sel_tpr), xytext=(8, -14), textcoords="offset points",
+                    color="C3", fontsize=9)
+    else:
+        ax.plot([], [], "s", color="C3", label=f"selection: FPR=0 (off the log axis), TPR={sel_tpr:.3f}")
+    if cnn_fpr > 0:
+        ax.plot([cnn_fpr], [cnn_tpr], "o", color="C2", ms=8,
+                label=f"CNN at FPR \u2264 {sel_fpr:.3g}: TPR={cnn_tpr:.3f}")
+        ax.annotate("CNN", (cnn_fpr, cnn_tpr), xytext=(-30, 6), textcoords="offset points",
+                    color="C2", fontsize=9)
+    else:
+        ax.plot([], [], "o", color="C2", label=f"CNN at FPR=0: TPR={cnn_tpr:.3f} (off the log axis)")
+    return min(x_lo, 10 ** math.floor(math.log10(sel_fpr))) if sel_fpr > 0 else x_lo
 
 
 _CSV_HEADER = "index,score,label,weight"
