@@ -242,8 +242,6 @@ def write_splits(out_dir, sizes: Sequence[int], write_split: Callable[..., None]
 def _in_child(work: Callable[[Callable[[int], None]], None], progress: Callable[[int], None] | None,
               out_dir: Path) -> None:
     """``work(report)`` in a forked child; ``report(k)`` reaches ``progress`` here."""
-    import builtins
-    import errno
     import faulthandler
     import multiprocessing
 
@@ -286,6 +284,15 @@ def _in_child(work: Callable[[Callable[[int], None]], None], progress: Callable[
         receive.close()
     if outcome == ("done",) and writer.exitcode == 0:
         return
+    raise _writer_failure(outcome, writer.exitcode, out_dir)
+
+
+def _writer_failure(outcome: tuple, exitcode: int | None, out_dir: Path) -> Exception:
+    """The data writer's failure as the parent raises it: a disk error by its errno, an exception
+    of Python's own by its kind, otherwise a RuntimeError that says what the child said."""
+    import builtins
+    import errno
+
     _, kind, code, message = outcome if outcome and outcome[0] == "error" else (None, None, None, None)
     if not isinstance(code, int) or code <= 0:
         # after a failed write HDF5 raises what it likes (RuntimeError: "Can't decrement id ref
@@ -294,13 +301,13 @@ def _in_child(work: Callable[[Callable[[int], None]], None], progress: Callable[
         if st.f_bavail * st.f_frsize < 1 << 20:
             code = errno.ENOSPC
     if isinstance(code, int) and code > 0:  # h5py's messages run over lines: the errno is enough
-        raise OSError(code, os.strerror(code), str(out_dir))
+        return OSError(code, os.strerror(code), str(out_dir))
     if kind is None:
-        raise RuntimeError(f"the data writer died (exit status {writer.exitcode})")
+        return RuntimeError(f"the data writer died (exit status {exitcode})")
     cls = getattr(builtins, kind, None)
     if isinstance(cls, type) and issubclass(cls, Exception):
-        raise cls(message)
-    raise RuntimeError(f"{kind}: {message}")
+        return cls(message)
+    return RuntimeError(f"{kind}: {message}")
 
 
 # --------------------------------------------------------------------------------------------------
