@@ -6,7 +6,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.workloads.hep import generate as gen
+from hpcdl.workloads.hep import events, generate as gen
 from hpcdl.workloads.hep.data import open_hep
 from hpcdl.workloads.hep.generate import GeneratorConfig, generate
 
@@ -124,7 +124,7 @@ def test_selection_good_but_imperfect(sample):
     assert wfpr < 1e-2  # weighted: only the rare high-pT-hat QCD passes
     # the flags follow from the stored truth features
     cfg = GeneratorConfig()
-    flags = gen.selection({k: truth[k].astype(np.float64) for k in gen._FEATURES}, cfg)
+    flags = events.selection({k: truth[k].astype(np.float64) for k in events.TRUTH_FEATURES}, cfg)
     agree = (flags["passSR"] == sr).mean()
     assert agree > 0.99  # float32 storage may flip an event sitting on a threshold
 
