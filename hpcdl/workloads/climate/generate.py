@@ -339,39 +339,48 @@ def _cyclone(fl: _Fields, rng, kind: int, cfg: GeneratorConfig):
         fl.psl -= dp * gp
         fl.u += -s * vt * sin_t
         fl.v += s * vt * cos_t
-        theta = np.arctan2(dy, dx)
         if kind in (TD, TC):
-            gq = np.exp(-d2 / (2 * (1.3 * r) ** 2))
-            gr = np.exp(-d2 / (2 * (1.2 * r) ** 2))
-            spiral = 0.6 + 0.4 * np.cos(2 * theta - s * 3.0 * np.sqrt(d2) / r)
-            hpa10 = dp / 1000.0
-            if kind == TC:
-                fl.t500 += 0.8 * hpa10 * gp
-                fl.t200 += 0.5 * hpa10 * gp
-                fl.dtmq += (8.0 + 3.0 * hpa10) * gq
-                fl.prect += (1e-7 + 2.4e-7 * hpa10) * gr * spiral
-                fl.ts -= 0.5 * gr
-                fl.rh += 0.2 * gq
-            else:
-                fl.t500 += (0.5 + 1.4 * hpa10) * gp
-                fl.dtmq += (4.0 + 6.0 * hpa10) * gq
-                fl.prect += (5e-8 + 1.2e-7 * hpa10) * gr * spiral
-                fl.rh += 0.12 * gq
-        else:  # ETC
-            west = np.exp(-((dx + 0.6 * r) ** 2 + dy**2) / (2 * r * r))
-            fl.t500 -= (1.0 + dp / 1000.0) * west
-            g15 = np.exp(-d2 / (2 * (1.5 * r) ** 2))
-            fl.ts += 3.0 * (dx / r) * g15
-            # comma: a frontal band from the centre equatorward and east (60° from east)
-            ang = math.radians(-60.0) * s
-            a = dx * math.cos(ang) + dy * math.sin(ang)
-            c = -dx * math.sin(ang) + dy * math.cos(ang)
-            band = np.exp(-(c**2) / (2 * (0.25 * r) ** 2)) * np.exp(-((a - 0.7 * r) ** 2) / (2 * (0.6 * r) ** 2))
-            fl.prect += 2.5e-7 * band
-            fl.dtmq += 6.0 * band
-            fl.rh += 0.1 * band
+            _warm_core(fl, kind, dp, gp, d2, np.arctan2(dy, dx), r, s)
+        else:
+            _cold_front(fl, dp, dy, dx, d2, r, s)
 
     return box, apply
+
+
+def _warm_core(fl: _Fields, kind: int, dp: float, gp, d2, theta, r: float, s: float) -> None:
+    """A tropical depression's or cyclone's warm core, moisture and spiral rain bands."""
+    gq = np.exp(-d2 / (2 * (1.3 * r) ** 2))
+    gr = np.exp(-d2 / (2 * (1.2 * r) ** 2))
+    spiral = 0.6 + 0.4 * np.cos(2 * theta - s * 3.0 * np.sqrt(d2) / r)
+    hpa10 = dp / 1000.0
+    if kind == TC:
+        fl.t500 += 0.8 * hpa10 * gp
+        fl.t200 += 0.5 * hpa10 * gp
+        fl.dtmq += (8.0 + 3.0 * hpa10) * gq
+        fl.prect += (1e-7 + 2.4e-7 * hpa10) * gr * spiral
+        fl.ts -= 0.5 * gr
+        fl.rh += 0.2 * gq
+    else:
+        fl.t500 += (0.5 + 1.4 * hpa10) * gp
+        fl.dtmq += (4.0 + 6.0 * hpa10) * gq
+        fl.prect += (5e-8 + 1.2e-7 * hpa10) * gr * spiral
+        fl.rh += 0.12 * gq
+
+
+def _cold_front(fl: _Fields, dp: float, dy, dx, d2, r: float, s: float) -> None:
+    """An extratropical cyclone's cold air to the west, its temperature dipole and its comma."""
+    west = np.exp(-((dx + 0.6 * r) ** 2 + dy**2) / (2 * r * r))
+    fl.t500 -= (1.0 + dp / 1000.0) * west
+    g15 = np.exp(-d2 / (2 * (1.5 * r) ** 2))
+    fl.ts += 3.0 * (dx / r) * g15
+    # comma: a frontal band from the centre equatorward and east (60° from east)
+    ang = math.radians(-60.0) * s
+    a = dx * math.cos(ang) + dy * math.sin(ang)
+    c = -dx * math.sin(ang) + dy * math.cos(ang)
+    band = np.exp(-(c**2) / (2 * (0.25 * r) ** 2)) * np.exp(-((a - 0.7 * r) ** 2) / (2 * (0.6 * r) ** 2))
+    fl.prect += 2.5e-7 * band
+    fl.dtmq += 6.0 * band
+    fl.rh += 0.1 * band
 
 
 def _river(fl: _Fields, rng, cfg: GeneratorConfig):
