@@ -173,19 +173,7 @@ def write_file(
     if kind not in KINDS:
         raise ValueError(f"unknown kind {kind!r}")
     signer = signer or Signer()
-    arrays: list[np.ndarray] = []
-    entries: list[dict[str, Any]] = []
-    offset = 0
-    for name, value in tensors.items():
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
-            raise ValueError(f"bad tensor name {name!r}")
-        arr = _le_array(name, value)
-        offset = -(-offset // ALIGN) * ALIGN
-        entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape),
-                        "offset": offset, "nbytes": arr.nbytes})
-        arrays.append(arr)
-        offset += arr.nbytes
-    payload_len = offset
+    entries, arrays, payload_len = _layout(tensors)
     header = {
         "run_id": run_id, "kind": kind, "tag_alg": signer.alg, "created": time.time(),
         "group": group, "seq": seq, "base_version": base_version, "version": version,
@@ -218,6 +206,24 @@ def write_file(
         f.write(h.field())
 
     return atomic_write(path, write, fsync=fsync, access=access)
+
+
+def _layout(tensors: Tensors) -> tuple[list[dict[str, Any]], list[np.ndarray], int]:
+    """Each tensor's header entry (name, dtype, shape, its ALIGN-ed offset in the payload, bytes),
+    its little-endian array, and the payload's length."""
+    arrays: list[np.ndarray] = []
+    entries: list[dict[str, Any]] = []
+    offset = 0
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_CHARS:
+            raise ValueError(f"bad tensor name {name!r}")
+        arr = _le_array(name, value)
+        offset = -(-offset // ALIGN) * ALIGN
+        entries.append({"name": name, "dtype": arr.dtype.str, "shape": list(arr.shape),
+                        "offset": offset, "nbytes": arr.nbytes})
+        arrays.append(arr)
+        offset += arr.nbytes
+    return entries, arrays, offset
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -323,12 +329,7 @@ def read_file(
             raise CorruptFile(f"file of {size} bytes exceeds the {max_bytes}-byte limit")
         hbytes = _read_exact(f, hlen, "header")
         header = _parse_header(hbytes, plen)
-        if header["kind"] not in kinds:
-            raise CorruptFile(f"kind {header['kind']!r}, expected one of {kinds}")
-        if run_id is not None and header["run_id"] != run_id:
-            raise CorruptFile(f"run id {header['run_id']!r:.80} does not match {run_id!r}")
-        if not signer.accepts(header["tag_alg"]):
-            raise CorruptFile(f"tag algorithm {header['tag_alg']!r:.20}, expected {signer.alg!r}")
+        _check_addressed(header, run_id, kinds, signer)
         payload = bytearray(plen)  # plen is checked against the real file size above
         view = memoryview(payload)
         pos = 0
@@ -345,18 +346,29 @@ def read_file(
         raise CorruptFile("checksum mismatch: tag does not match the content"
                           + (" (corrupt, or not written with this run's key)"
                              if signer.alg != "sha256" else ""))
-    tensors: dict[str, np.ndarray] = {}
-    for t in header["tensors"]:
-        dt = np.dtype(t["dtype"])
-        count = t["nbytes"] // dt.itemsize
-        try:
-            arr = np.frombuffer(payload, dtype=dt, count=count, offset=t["offset"]) if count else (
-                np.empty(0, dtype=dt))
-            arr = arr.reshape(t["shape"])
-        except (ValueError, OverflowError) as e:  # a backstop: validation should prevent it
-            raise CorruptFile(f"tensor {t['name']!r:.80}: {type(e).__name__}: {e}") from None
-        native = dt.newbyteorder("=")
-        if not dt.isnative or t["offset"] % dt.alignment:
-            arr = arr.astype(native)  # copies: native order, aligned
-        tensors[t["name"]] = arr
-    return header, tensors
+    return header, {t["name"]: _tensor(payload, t) for t in header["tensors"]}
+
+
+def _check_addressed(header: dict[str, Any], run_id: str | None, kinds: tuple[str, ...], signer: Signer) -> None:
+    """The file is of a kind asked for, of this run, and signed the way this reader verifies."""
+    if header["kind"] not in kinds:
+        raise CorruptFile(f"kind {header['kind']!r}, expected one of {kinds}")
+    if run_id is not None and header["run_id"] != run_id:
+        raise CorruptFile(f"run id {header['run_id']!r:.80} does not match {run_id!r}")
+    if not signer.accepts(header["tag_alg"]):
+        raise CorruptFile(f"tag algorithm {header['tag_alg']!r:.20}, expected {signer.alg!r}")
+
+
+def _tensor(payload: bytearray, t: dict[str, Any]) -> np.ndarray:
+    """One validated entry's array over the payload, copied only to native order and alignment."""
+    dt = np.dtype(t["dtype"])
+    count = t["nbytes"] // dt.itemsize
+    try:
+        arr = np.frombuffer(payload, dtype=dt, count=count, offset=t["offset"]) if count else (
+            np.empty(0, dtype=dt))
+        arr = arr.reshape(t["shape"])
+    except (ValueError, OverflowError) as e:  # a backstop: validation should prevent it
+        raise CorruptFile(f"tensor {t['name']!r:.80}: {type(e).__name__}: {e}") from None
+    if not dt.isnative or t["offset"] % dt.alignment:
+        arr = arr.astype(dt.newbyteorder("="))  # copies: native order, aligned
+    return arr
