@@ -13,6 +13,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from hpcdl.applier.checks import invalid_initial, invalid_update
 from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.rules import make_rule
 from hpcdl.applier.state import DurableState, StateLost, new_stats
@@ -155,23 +156,8 @@ class Applier:
         backoff = poll_interval
         try:
             while not self._stop and not (stop is not None and stop()):
-                try:
-                    if not self._healthy:
-                        self._recover()
-                        self.storage.succeeded("applier commit")
-                    n = self.step()
-                except OSError as e:
-                    # Nothing is processed on a state that did not reload completely: a failed
-                    # reload leaves _healthy False and is retried first, next time round.
-                    self._healthy = False
-                    if is_storage_full(e):
-                        self.storage.failed("applier commit", e, path=self.ch.root,
-                                            detail="nothing lost: the updates stay pending; "
-                                                   "retrying")
-                    else:
-                        log.exception("I/O error; reloading the durable state, retrying in %.1fs",
-                                      backoff)
-                    time.sleep(backoff)
+                n = self._step_or_back_off(backoff)
+                if n is None:
                     backoff = min(max(backoff, 0.05) * 2, 10.0)
                     continue
                 if n:
@@ -189,14 +175,7 @@ class Applier:
                 if idle_exit_after is not None and now - last_activity >= idle_exit_after:
                     break
                 if time.time() - self._last_status >= self.config.status_interval:
-                    try:
-                        self._write_status()
-                        self.storage.succeeded("applier status")
-                    except OSError as e:
-                        if not is_storage_full(e):
-                            raise
-                        self.storage.failed("applier status", e, path=self.ch.status_path)
-                        self._last_status = time.time()
+                    self._idle_status()
                 time.sleep(poll_interval)
         finally:
             try:
@@ -205,6 +184,37 @@ class Applier:
             except OSError:
                 log.exception("could not write the final status")
         return handled
+
+    def _step_or_back_off(self, backoff: float) -> int | None:
+        """One step (after reloading the durable state if the last step failed): the files it
+        handled, or None after an I/O error and `backoff` seconds of waiting."""
+        try:
+            if not self._healthy:
+                self._recover()
+                self.storage.succeeded("applier commit")
+            return self.step()
+        except OSError as e:
+            # Nothing is processed on a state that did not reload completely: a failed reload
+            # leaves _healthy False and is retried first, next time round.
+            self._healthy = False
+            if is_storage_full(e):
+                self.storage.failed("applier commit", e, path=self.ch.root,
+                                    detail="nothing lost: the updates stay pending; retrying")
+            else:
+                log.exception("I/O error; reloading the durable state, retrying in %.1fs", backoff)
+            time.sleep(backoff)
+            return None
+
+    def _idle_status(self) -> None:
+        """The status file while idle; a full disk is recorded, not raised."""
+        try:
+            self._write_status()
+            self.storage.succeeded("applier status")
+        except OSError as e:
+            if not is_storage_full(e):
+                raise
+            self.storage.failed("applier status", e, path=self.ch.status_path)
+            self._last_status = time.time()
 
     # -- processing ----------------------------------------------------------------------------
 
@@ -241,7 +251,7 @@ class Applier:
             log.warning("rejected %s: %s", ref.name, reason)
             return
         batch.read += 1
-        reason = self._invalid_update(upd.tensors)
+        reason = invalid_update(upd.tensors, self.state.weights)
         if reason:
             self.state.counters["rejected_invalid"] += 1
             self.state.ledger.add(*key)
@@ -250,16 +260,7 @@ class Applier:
                         reason=reason)
             log.warning("rejected %s: %s", ref.name, reason)
             return
-        assert self.state.version is not None
-        staleness = self.state.version - upd.base_version
-        if staleness < 0:
-            log.warning("update group %d seq %d has base_version %d ahead of master %d",
-                        upd.group, upd.seq, upd.base_version, self.state.version)
-            staleness = 0
-        for st in (self.state.staleness, self.state.group_staleness.setdefault(str(upd.group), new_stats())):
-            st["count"] += 1
-            st["sum"] += staleness
-            st["max"] = max(st["max"], staleness)
+        staleness = self._staleness(upd)
         scale = 1.0 / max(1, staleness) if self.config.staleness_scaling else 1.0
         if self.config.max_staleness is not None and staleness > self.config.max_staleness:
             if self.config.stale_policy == "drop":
@@ -285,35 +286,26 @@ class Applier:
                     base_version=upd.base_version, staleness=staleness, version=self.state.version,
                     scale=scale)
 
-    def _invalid_update(self, tensors: Mapping[str, np.ndarray]) -> str | None:
-        if set(tensors) != set(self.state.weights):
-            return "tensor names differ from the master's"
-        for name, w in self.state.weights.items():
-            g = tensors[name]
-            if g.shape != w.shape:
-                return f"tensor {name!r}: shape {g.shape} != master {w.shape}"
-            if g.dtype.kind not in "iuf":
-                return f"tensor {name!r}: dtype {g.dtype} is not real-valued"
-            if g.dtype.kind == "f" and not np.isfinite(g).all():
-                return f"tensor {name!r}: non-finite values"
-        return None
+    def _staleness(self, upd) -> int:
+        """How many versions the master moved past the update's base, counted in the run's and
+        the group's staleness statistics."""
+        assert self.state.version is not None
+        staleness = self.state.version - upd.base_version
+        if staleness < 0:
+            log.warning("update group %d seq %d has base_version %d ahead of master %d",
+                        upd.group, upd.seq, upd.base_version, self.state.version)
+            staleness = 0
+        for st in (self.state.staleness, self.state.group_staleness.setdefault(str(upd.group), new_stats())):
+            st["count"] += 1
+            st["sum"] += staleness
+            st["max"] = max(st["max"], staleness)
+        return staleness
 
     def _apply(self, update: Mapping[str, np.ndarray], scale: float) -> None:
         self.state.t += 1
         self.rule.apply(self.state.weights, self.state.slots, update, scale, self.state.t)
 
     # -- initial weights -----------------------------------------------------------------------
-
-    @staticmethod
-    def _invalid_initial(tensors: Mapping[str, np.ndarray]) -> str | None:
-        if not tensors:
-            return "no tensors"
-        for name, w in tensors.items():
-            if np.asarray(w).dtype.kind != "f":
-                return f"tensor {name!r}: master weights must be floating point"
-            if not np.isfinite(w).all():
-                return f"tensor {name!r}: non-finite values"
-        return None
 
     @property
     def _max_update_bytes(self) -> int:
@@ -327,7 +319,7 @@ class Applier:
         for path in proposals:
             try:
                 group, tensors = self.ch.read_proposal(path)
-                reason = self._invalid_initial(tensors)
+                reason = invalid_initial(tensors)
             except FileNotFoundError:
                 continue
             except (CorruptFile, IsADirectoryError, PermissionError) as e:
@@ -431,7 +423,7 @@ class Applier:
             self._event(batch, "adopted", version=latest[0], reason="no state; newest weights")
             self._commit(batch, publish=False)
         elif self._initial is not None:
-            reason = self._invalid_initial(self._initial)
+            reason = invalid_initial(self._initial)
             if reason:
                 raise ValueError(f"initial weights: {reason}")
             self.state.adopt(self._initial, 0, self.rule.slots)
