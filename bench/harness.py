@@ -222,6 +222,26 @@ class Bench:
 # -- output -----------------------------------------------------------------------------------
 
 
+def hep_data(work: Path, events: int, image: int, *, fractions: tuple[float, ...] | None = None) -> dict[str, Path]:
+    """A generated HEP set (train, val, test), cached under `work`: the generator is
+    deterministic, so its version, the events, the image size and the split name the set. Returns
+    the files and, in `generation_seconds`, what generating each set took in this process."""
+    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
+
+    split = "" if fractions is None else "-f" + "-".join(f"{f:g}" for f in fractions)
+    out = work / "data" / f"hep-v{GENERATOR_VERSION}-e{events}-s{image}{split}"
+    files = {k: out / f"{k}.h5" for k in ("train", "val", "test")}
+    if not all(p.is_file() for p in files.values()):
+        log(f"generating {events} HEP events at {image}x{image} into {out} (cached for later runs)")
+        start = time.perf_counter()
+        generate(out, events, image_size=image, seed=0, **({"fractions": fractions} if fractions else {}))
+        generation_seconds[out.name] = time.perf_counter() - start
+    return files
+
+
+generation_seconds: dict[str, float] = {}
+
+
 def machine() -> dict[str, Any]:
     from hpcdl.engine.tuning import onednn_isa_cap, read_cpuinfo, usable_cores
 

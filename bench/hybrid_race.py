@@ -50,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.harness import HPCDL, Probe, log, machine, publish_png, result_path, write_result
+from bench.harness import HPCDL, Probe, hep_data, log, machine, publish_png, result_path, write_result
 from hpcdl.runs import RunDir
 
 SUITE = "race"
@@ -156,14 +156,7 @@ def named(targets) -> dict[str, float]:
 
 
 def generated(work: Path, events: int) -> dict[str, Path]:
-    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
-
-    out = work / "data" / f"hep-v{GENERATOR_VERSION}-e{events}-s{IMAGE}"
-    files = {k: out / f"{k}.h5" for k in ("train", "val", "test")}
-    if not all(p.is_file() for p in files.values()):
-        log(f"generating {events} HEP events at {IMAGE}x{IMAGE} into {out}")
-        generate(out, events, image_size=IMAGE, seed=0, fractions=(0.75, 0.15, 0.10))
-    return files
+    return hep_data(work, events, IMAGE, fractions=(0.75, 0.15, 0.10))
 
 
 class Watched:

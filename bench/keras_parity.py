@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import machine, result_path, write_result
+from bench.harness import hep_data, machine, result_path, write_result
 
 SUITE = "keras"
 GOAL = 0.9
@@ -167,13 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = plan_for_this_process(TuningConfig(), ranks_on_host=1)
     os.environ.update(plan.environment())
     configure_tensorflow(plan)
-    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
-
-    where = args.work / "data" / f"hep-v{GENERATOR_VERSION}-e{args.events}-s{args.image}"
-    data = {k: where / f"{k}.h5" for k in ("train", "val", "test")}
-    if not all(p.is_file() for p in data.values()):
-        log(f"generating {args.events} HEP events at {args.image}² into {where}")
-        generate(where, args.events, image_size=args.image, seed=0)
+    data = hep_data(args.work, args.events, args.image)
     result = {"step": step_rates(args.step_filters, args.step_image, args.batch, args.rounds, args.round_steps, log),
               "auc": aucs(data, args.filters, args.batch, args.steps, args.seeds, log),
               "goal_flops_ratio": GOAL, "command": "python -m bench.keras_parity " + " ".join(argv or sys.argv[1:])}

@@ -9,21 +9,13 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import HPCDL, Bench, log
+from bench.harness import HPCDL, Bench, generation_seconds, hep_data
 
 
 def generated(b: Bench, events: int, size: int) -> dict[str, Path]:
-    """A generated HEP set, cached under --work (the generator is deterministic)."""
-    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
-
-    out = b.work / "data" / f"hep-v{GENERATOR_VERSION}-e{events}-s{size}"
-    files = {k: out / f"{k}.h5" for k in ("train", "val", "test")}
-    if all(p.is_file() for p in files.values()):
-        return files
-    log(f"generating {events} HEP events at {size}x{size} into {out} (cached for later runs)")
-    t = time.perf_counter()
-    generate(out, events, image_size=size, seed=0)
-    b.data.setdefault("generated", {})[out.name] = time.perf_counter() - t
+    """A generated HEP set under --work (bench.harness.hep_data), what generating it took recorded."""
+    files = hep_data(b.work, events, size)
+    b.data.setdefault("generated", {}).update(generation_seconds)
     return files
 
 

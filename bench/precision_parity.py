@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import machine, result_path, write_result
+from bench.harness import hep_data, machine, result_path, write_result
 
 SUITE = "precision"
 TOLERANCE = 0.005
@@ -93,12 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"precision_parity: {cpu.model} ({cpu.vector_isa}) has no bfloat16 unit; mixed_bfloat16 is refused "
               "here and a parity figure would mean nothing (--emulated runs it as a smoke test)", file=sys.stderr)
         return 2
-    from hpcdl.workloads.hep.generate import GENERATOR_VERSION, generate
-
-    where = args.work / "data" / f"hep-v{GENERATOR_VERSION}-e{args.events}-s{args.image}"
-    data = {k: where / f"{k}.h5" for k in ("train", "val", "test")}
-    if not all(p.is_file() for p in data.values()):
-        generate(where, args.events, image_size=args.image, seed=0)
+    data = hep_data(args.work, args.events, args.image)
     result = parity(data, args.steps, args.filters, args.batch,
                     log=lambda m: print(f"[parity {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True))
     result.update(cpu=cpu.model, isa=cpu.vector_isa, bf16_unit=cpu.bf16_unit, flags=" ".join(sorted(cpu.flags)),
