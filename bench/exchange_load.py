@@ -63,240 +63,24 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import secrets
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from hpcdl.applier.config import ApplierConfig
-from hpcdl.engine.tuning import read_cpuinfo
-from hpcdl.exchange import Channel, Signer, update_name
-from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
-from hpcdl.exchange.shards import Partition
-from hpcdl.files import read_jsonl
+from hpcdl.exchange import Channel, Signer
 
-RUN_ID = "exchange-load"
-HEP_PARAMS = 594_178
-PAPER_STEP_S = 8 * 15.43e9 / 1.90e12  # batch 8 x GFLOP per example / node FLOP/s = 0.065 s
-SHARING_NOTE = ("CPU per update is getrusage time in each applier's own process: it does not "
-                "depend on how the cores are shared, the rates and the backlog do")
-
-
-def hep_layout(params: int) -> dict[str, tuple[int, ...]]:
-    """The HEP network's tensors (5 conv 3x3 + dense), scaled to about `params` parameters."""
-    # full size: conv0 3x3x3x128, conv1..4 3x3x128x128, dense 128x2 (+ biases) = 594,178
-    f = 128
-    if params < HEP_PARAMS:  # fewer filters: 4*9*f^2 + 27f + 5f + 2f + 2 ~= params
-        f = max(1, int((params / 36) ** 0.5))
-    shapes: dict[str, tuple[int, ...]] = {"conv0/w": (3, 3, 3, f), "conv0/b": (f,)}
-    for i in range(1, 5):
-        shapes[f"conv{i}/w"] = (3, 3, f, f)
-        shapes[f"conv{i}/b"] = (f,)
-    shapes["dense/w"], shapes["dense/b"] = (f, 2), (2,)
-    return shapes
-
-
-def partition_of(shapes: dict[str, tuple[int, ...]], shards: int) -> Partition:
-    """The partition every group root makes from this model (float32) for exchange.shards."""
-    return Partition.balanced({k: (s, "<f4") for k, s in shapes.items()}, shards)
-
-
-def machine() -> dict:
-    """The CPU model, its vector flags, the core count and the load average, as recorded (lighter
-    than bench.harness.machine: no git, lscpu or package versions in the load's processes)."""
-    cpu = read_cpuinfo(env={})  # the CPU's own flags: ONEDNN_MAX_CPU_ISA caps oneDNN, not numpy
-    return {"cpu_model": cpu.model, "avx2": "avx2" in cpu.flags, "avx512f": "avx512f" in cpu.flags,
-            "cores": os.cpu_count(),
-            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
-
-
-# ------------------------------------------------------------------------------------------------
-# processes
-# ------------------------------------------------------------------------------------------------
-
-
-def publisher(group: int, roots: list[str], key: bytes, shapes: dict, interval: float, clock,
-              max_pending: int | None, fsync: bool, nice: int, pin: set[int] | None,
-              out: str) -> None:
-    """One group root. ``clock``: the run's start barrier (see :class:`StartClock`)."""
-    if nice:
-        os.nice(nice)
-    _pin(pin, "publishers")
-    channels = [Channel(r, RUN_ID, create=False, signer=Signer(key), fsync=fsync,
-                        max_pending_per_group=max_pending) for r in roots]
-    sync = ExchangeSync(channels, group, every=1, initial_wait_s=30.0)
-    rng = np.random.default_rng(group)
-    grads = {k: (rng.standard_normal(s) * 1e-3).astype(np.float32) for k, s in shapes.items()}
-    own = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    dropped: list[list[int]] = [[] for _ in channels]  # per shard: seqs its bound deleted
-    # The initial weights are adopted before the load starts: 64 roots reading them at once on a
-    # loaded core take seconds, which is a start-up cost, not the exchange's steady state.
-    t0 = time.perf_counter()
-    sync.initial_weights(own)
-    initial_s = time.perf_counter() - t0
-    start, stop = clock.ready_and_wait()
-    late_s = time.time() - start  # woken late on a loaded machine
-    # Groups start at random phases, as real ones do.
-    next_t = time.monotonic() + rng.uniform(0, interval)
-    step = 0
-    t_end = time.monotonic() + (stop - time.time())
-    while True:
-        now = time.monotonic()
-        if now < next_t:
-            time.sleep(next_t - now)
-        if time.monotonic() >= t_end:
-            break
-        step += 1
-        for ch in channels:
-            ch.last_dropped = []  # a shard published nothing this step: nothing of its dropped
-        sync.after_step(step, lambda: grads)
-        for k, ch in enumerate(channels):
-            dropped[k].extend(r.seq for r in ch.last_dropped)
-        next_t = max(next_t + interval, time.monotonic())  # behind: go on at once, no catch-up burst
-    Path(out).write_text(json.dumps({
-        "group": group, "published": sync.published, "next_seq": sync.seq, "dropped": dropped,
-        "publish_s": sync.seconds, "adopted": sync.adopted, "version": sync.version,
-        "failures": sync.publish_failures, "steps": step, "late_s": late_s, "initial_s": initial_s,
-    }))
-
-
-class StartClock:
-    """Everyone forked, set up and ready before the load's clock starts (forking 64 processes on
-    a loaded machine takes tens of seconds: a start time fixed before the forks would be long
-    past for the last ones)."""
-
-    def __init__(self, ctx, parties: int):
-        self.parties = parties
-        self._ready = ctx.Value("i", 0)
-        self._times = ctx.Array("d", 2)  # start, stop (time.time())
-        self._go = ctx.Event()
-
-    def ready_and_wait(self) -> tuple[float, float]:
-        with self._ready.get_lock():
-            self._ready.value += 1
-        self._go.wait()
-        start = self._times[0]
-        while time.time() < start:
-            time.sleep(min(0.01, max(0.0, start - time.time())))
-        return self._times[0], self._times[1]
-
-    def start(self, seconds: float, timeout: float, lead: float = 0.5) -> tuple[float, float, int]:
-        """Wait (up to `timeout` s) for every party, then start the clock; returns start, stop
-        and how many were ready."""
-        deadline = time.monotonic() + timeout
-        while self._ready.value < self.parties and time.monotonic() < deadline:
-            time.sleep(0.05)
-        start = time.time() + lead
-        self._times[0], self._times[1] = start, start + seconds
-        self._go.set()
-        return start, start + seconds, self._ready.value
-
-
-def _pin(cpus: set[int] | None, who: str) -> None:
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as e:
-            print(f"could not pin the {who} to {sorted(cpus)}: {e}", file=sys.stderr)
-
-
-def applier(root: str, key: bytes, shapes: dict, fsync: bool, stop_file: str, drain_s: float,
-            max_batch: int, pin: set[int] | None, out: str) -> None:
-    """One shard's applier; `shapes` are its part's pieces (the whole model with one shard)."""
-    from hpcdl.applier import Applier, ApplierConfig
-
-    _pin(pin, "applier")
-    ch = Channel(root, RUN_ID, create=False, signer=Signer(key), fsync=fsync)
-    initial = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    app = Applier(ch, ApplierConfig("adam", 1e-3, max_batch=max_batch, keep_versions=3, status_interval=1.0),
-                  initial=initial)
-    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-    state = {"stop_seen": None}
-
-    def done() -> bool:
-        if state["stop_seen"] is None:
-            if os.path.exists(stop_file):
-                state["stop_seen"] = time.monotonic()
-            return False
-        return ch.backlog() == 0 or time.monotonic() - state["stop_seen"] > drain_s
-
-    with app:
-        handled = app.run(poll_interval=0.005, stop=done)
-    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
-    Path(out).write_text(json.dumps({
-        "handled": handled, "counts": app.counts, "version": app.version,
-        "cpu_s": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime), "wall_s": t1 - t0,
-        "drain_s": (t1 - state["stop_seen"]) if state["stop_seen"] else None,
-        "staleness": app.status()["staleness"],
-        # the applier's own account: process time of the batches that had work only (no polling)
-        "busy_cpu_s": app.cpu_seconds, "busy_updates": app.cpu_updates,
-    }))
-
-
-# ------------------------------------------------------------------------------------------------
-# the exactly-once check
-# ------------------------------------------------------------------------------------------------
-
-
-def read_events(ch: Channel) -> list[dict]:
-    """The applier's events, the rotated file's first (the applier keeps one, named so)."""
-    rotated = ch.events_path.with_name(ch.events_path.name + ".1")
-    return [event for path in (rotated, ch.events_path) for event in read_jsonl(path)]
-
-
-def ledger_check(ch: Channel, pubs: list[dict], shard: int = 0) -> dict:
-    """Exactly once, in one shard: published = applied (once) + dropped by the publisher's bound
-    on this shard's channel + pending. ``pubs``' ``dropped`` holds one list of seqs per shard."""
-    events = read_events(ch)
-    taken = [(e["group"], e["seq"]) for e in events if e["event"] in ("applied", "dropped")]
-    applied = set(taken)
-    twice = len(taken) - len(applied)
-    pending = {(ref.group, ref.seq) for ref in ch.pending_updates()}
-    lost, dropped_total, published_total, raced = [], 0, 0, 0
-    for p in pubs:
-        g = p["group"]
-        dropped = set(p["dropped"][shard])
-        published_total += p["next_seq"]
-        for s in range(p["next_seq"]):
-            if (g, s) in applied:
-                # A publisher may delete a file the applier is already reading (harmless: an
-                # open file stays readable): it was applied, once.
-                raced += s in dropped
-            elif s in dropped:
-                dropped_total += 1
-            elif (g, s) not in pending:
-                lost.append((g, s))
-    foreign = [k for k in applied if k[0] >= len(pubs)]
-    return {"shard": shard, "published": published_total, "applied_or_stale": len(applied),
-            "applied_twice": twice, "dropped_by_bound": dropped_total,
-            "applied_while_dropped": raced, "pending_at_end": len(pending), "lost": lost[:10],
-            "n_lost": len(lost), "foreign": foreign[:10],
-            "ok": twice == 0 and not lost and not foreign, "_applied": applied}
-
-
-def combine_ledgers(shards: list[dict], pubs: list[dict]) -> dict:
-    """Every shard's check, their sums (counted in files: one per shard per update), and how many
-    updates were applied whole (in every shard) or only in part (some shard's bound dropped it)."""
-    complete = partial = 0
-    for p in pubs:
-        for s in range(p["next_seq"]):
-            n = sum((p["group"], s) in led["_applied"] for led in shards)
-            complete += n == len(shards)
-            partial += 0 < n < len(shards)
-    clean = [{k: v for k, v in led.items() if k != "_applied"} for led in shards]
-    out = {k: sum(led[k] for led in clean) for k in ("published", "applied_or_stale", "applied_twice",
-                                                      "dropped_by_bound", "applied_while_dropped",
-                                                      "pending_at_end", "n_lost")}
-    out.update(lost=[x for led in clean for x in led["lost"]][:10],
-               foreign=[x for led in clean for x in led["foreign"]][:10],
-               ok=all(led["ok"] for led in clean), updates_applied_whole=complete,
-               updates_applied_in_part=partial, per_shard=clean)
-    return out
+from bench.exchange_breakdown import run_breakdown, show_breakdown
+from bench.exchange_procs import (
+    HEP_PARAMS, PAPER_STEP_S, RUN_ID, SHARING_NOTE, StartClock, applier, combine_ledgers, hep_layout, ledger_check,
+    machine, partition_of, publisher, read_events,
+)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,19 +98,53 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     roots = [base / f"x-{n_params}-k{shards}" / f"shard-{k}" for k in range(shards)]
     results = base / f"r-{n_params}-k{shards}"
     results.mkdir(parents=True)
+    load = _run_load(args, shapes, parts, roots, results)
+    pub = [json.loads((results / f"g{g}.json").read_text()) for g in range(args.groups)
+           if (results / f"g{g}.json").exists()]
+    aps = [json.loads((results / f"applier-{k}.json").read_text())
+           if (results / f"applier-{k}.json").exists() else {} for k in range(shards)]
+    ledger = combine_ledgers([ledger_check(load.channels[k], pub, k) for k in range(shards)], pub)
+    per_shard = [_shard_figures(k, aps[k], load, parts[k], partition.shard_bytes()[k]) for k in range(shards)]
+    out = _run_figures(args, load, n_params, partition, pub, ledger, per_shard)
+    if not args.keep:
+        shutil.rmtree(roots[0].parent, ignore_errors=True)
+    return out
+
+
+@dataclass
+class _Load:
+    """What happened in one load: its channels, when it started and ended, each shard's backlog
+    samples and what was left at the end, the processes that failed."""
+
+    channels: list
+    app_cpus: set[int] | None
+    pub_cpus: set[int] | None
+    load_before: list | None
+    setup_s: float = 0.0
+    ready: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    samples: list[list[int]] = field(default_factory=list)
+    at_end: list[int] = field(default_factory=list)
+    failures: list[int] = field(default_factory=list)
+
+
+def _run_load(args, shapes: dict, parts: list[dict], roots: list[Path], results: Path) -> _Load:
+    """Start the appliers and the publishers, sample each shard's backlog until the load ends,
+    then let the appliers drain (bounded by --drain)."""
     key = secrets.token_bytes(32)
-    channels = [Channel(r, RUN_ID, signer=Signer(key)) for r in roots]  # the layout, made once
     ctx = mp.get_context("fork")
     stop_file = str(results / "stop")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     # The appliers stand for nodes of their own: they get a core the group roots do not use
     # (one core for the K of them: their CPU per update is what is measured, not their rate).
     app_cpus, pub_cpus = ({cpus[0]}, set(cpus[1:])) if args.pin and len(cpus) >= 2 else (None, None)
-    load_before = machine()["load_average"]
+    load = _Load([Channel(r, RUN_ID, signer=Signer(key)) for r in roots],  # the layout, made once
+                 app_cpus, pub_cpus, machine()["load_average"], samples=[[] for _ in roots])
     apps = [ctx.Process(target=applier, args=(str(roots[k]), key, parts[k], args.fsync, stop_file,
                                               args.drain, args.max_batch, app_cpus,
                                               str(results / f"applier-{k}.json")))
-            for k in range(shards)]
+            for k in range(len(roots))]
     for a in apps:
         a.start()
     clock = StartClock(ctx, args.groups)
@@ -337,67 +155,68 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     forked = time.monotonic()
     for p in pubs:
         p.start()
-    start, stop, ready = clock.start(args.seconds, timeout=300)
-    setup_s = time.monotonic() - forked
-    samples: list[list[int]] = [[] for _ in range(shards)]
+    load.start, stop, load.ready = clock.start(args.seconds, timeout=300)
+    load.setup_s = time.monotonic() - forked
     while time.time() < stop:
         time.sleep(0.25)
-        if time.time() >= start:
-            for k, ch in enumerate(channels):
+        if time.time() >= load.start:
+            for k, ch in enumerate(load.channels):
                 try:
-                    samples[k].append(ch.backlog())
+                    load.samples[k].append(ch.backlog())
                 except OSError:
                     pass
     for p in pubs:
         p.join(timeout=120)
-    load_end = time.time()
-    at_end = [ch.backlog() for ch in channels]
+    load.end = time.time()
+    load.at_end = [ch.backlog() for ch in load.channels]
     Path(stop_file).touch()
     for a in apps:
         a.join(timeout=args.drain + 120)
         if a.is_alive():
             a.kill()
-    bad = ([p.exitcode for p in pubs if p.exitcode != 0]
-           + [a.exitcode for a in apps if a.exitcode])
-    pub = [json.loads((results / f"g{g}.json").read_text()) for g in range(args.groups)
-           if (results / f"g{g}.json").exists()]
-    aps = [json.loads((results / f"applier-{k}.json").read_text())
-           if (results / f"applier-{k}.json").exists() else {} for k in range(shards)]
-    checks = [ledger_check(channels[k], pub, k) for k in range(shards)]
-    ledger = combine_ledgers(checks, pub)
-    published = sum(p["published"] for p in pub)
-    load_s = load_end - start
-    per_shard = []
-    for k, (ap, ch) in enumerate(zip(aps, channels)):
-        in_load = sum(1 for e in read_events(ch)
-                      if e["event"] == "applied" and start <= e["time"] <= load_end)
-        handled = ap.get("handled", 0)
-        # The updates this shard read: a file listed and then deleted by its publisher's backlog
-        # bound before the read ("vanished") or a replay ("duplicates") costs a listing entry,
-        # not an update; dividing by them would make a shard that loses the race look cheaper.
-        counts_k = ap.get("counts", {})
-        read = handled - counts_k.get("vanished", 0) - counts_k.get("duplicates", 0)
-        st = ap.get("staleness") or {}
-        per_shard.append({
-            "shard": k, "params": int(sum(np.prod(s) for s in parts[k].values())),
-            "bytes": partition.shard_bytes()[k], "pieces": list(parts[k]),
-            "applied": ap.get("counts", {}).get("applied", 0),
-            "applied_per_s": in_load / load_s if load_s > 0 else None,
-            "cpu_s": ap.get("cpu_s"), "wall_s": ap.get("wall_s"), "handled": handled, "read": read,
-            "cpu_ms_per_update": 1e3 * ap["cpu_s"] / read if ap and read > 0 else None,
-            # without the idle polling between batches (what a busy applier pays per update)
-            "busy_cpu_ms_per_update": (1e3 * ap["busy_cpu_s"] / read if ap.get("busy_updates") and read > 0
-                                       else None),
-            "cpu_share": ap["cpu_s"] / ap["wall_s"] if ap.get("wall_s") else None,
-            "drain_s": ap.get("drain_s"),
-            # the backlog left at the end over the time it took to drain: the shard's rate once
-            # the publishers have stopped competing for the machine
-            "drain_per_s": (at_end[k] / ap["drain_s"] if ap.get("drain_s") and at_end[k] >= 8 else None),
-            "backlog_max": max(samples[k], default=0),
-            "backlog_mean": float(np.mean(samples[k])) if samples[k] else 0.0,
-            "backlog_at_load_end": at_end[k],
-            "staleness": st or None, "counts": ap.get("counts"),
-        })
+    load.failures = [p.exitcode for p in pubs if p.exitcode != 0] + [a.exitcode for a in apps if a.exitcode]
+    return load
+
+
+def _shard_figures(k: int, ap: dict, load: _Load, part: dict, shard_bytes: int) -> dict:
+    """Shard k's figures from its applier's report, its event log and the backlog samples."""
+    load_s = load.end - load.start
+    in_load = sum(1 for e in read_events(load.channels[k])
+                  if e["event"] == "applied" and load.start <= e["time"] <= load.end)
+    handled = ap.get("handled", 0)
+    # The updates this shard read: a file listed and then deleted by its publisher's backlog
+    # bound before the read ("vanished") or a replay ("duplicates") costs a listing entry,
+    # not an update; dividing by them would make a shard that loses the race look cheaper.
+    counts = ap.get("counts", {})
+    read = handled - counts.get("vanished", 0) - counts.get("duplicates", 0)
+    samples, at_end = load.samples[k], load.at_end[k]
+    return {
+        "shard": k, "params": int(sum(np.prod(s) for s in part.values())),
+        "bytes": shard_bytes, "pieces": list(part),
+        "applied": counts.get("applied", 0),
+        "applied_per_s": in_load / load_s if load_s > 0 else None,
+        "cpu_s": ap.get("cpu_s"), "wall_s": ap.get("wall_s"), "handled": handled, "read": read,
+        "cpu_ms_per_update": 1e3 * ap["cpu_s"] / read if ap and read > 0 else None,
+        # without the idle polling between batches (what a busy applier pays per update)
+        "busy_cpu_ms_per_update": (1e3 * ap["busy_cpu_s"] / read if ap.get("busy_updates") and read > 0
+                                   else None),
+        "cpu_share": ap["cpu_s"] / ap["wall_s"] if ap.get("wall_s") else None,
+        "drain_s": ap.get("drain_s"),
+        # the backlog left at the end over the time it took to drain: the shard's rate once
+        # the publishers have stopped competing for the machine
+        "drain_per_s": (at_end / ap["drain_s"] if ap.get("drain_s") and at_end >= 8 else None),
+        "backlog_max": max(samples, default=0),
+        "backlog_mean": float(np.mean(samples)) if samples else 0.0,
+        "backlog_at_load_end": at_end,
+        "staleness": ap.get("staleness") or None, "counts": ap.get("counts"),
+    }
+
+
+def _run_figures(args, load: _Load, n_params: int, partition, pub: list[dict], ledger: dict,
+                 per_shard: list[dict]) -> dict:
+    """The run's figures: the offered and applied rates, the appliers' CPU, the backlog, the
+    publishers' times, staleness, counts and the ledger, with every shard's beside them."""
+    shards = len(per_shard)
     cpu = [s["cpu_ms_per_update"] for s in per_shard]
     counts: dict[str, int] = {}
     for s in per_shard:
@@ -409,16 +228,18 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
     wall = max((s["wall_s"] or 0) for s in per_shard)
     applied = sum(s["applied"] for s in per_shard)
     rates = [s["applied_per_s"] for s in per_shard if s["applied_per_s"] is not None]
-    out = {
+    published = sum(p["published"] for p in pub)
+    load_s = load.end - load.start
+    return {
         "params": n_params, "update_bytes": n_params * 4, "shards": shards,
         "partition": partition.describe(), "groups": args.groups,
         "interval_s": args.interval, "seconds": args.seconds, "fsync": args.fsync, "nice": args.nice,
-        "applier_cpus": sorted(app_cpus) if app_cpus else None,
-        "publisher_cpus": sorted(pub_cpus) if pub_cpus else None,
-        "machine": machine(), "load_average_before": load_before, "cpu_note": SHARING_NOTE,
+        "applier_cpus": sorted(load.app_cpus) if load.app_cpus else None,
+        "publisher_cpus": sorted(load.pub_cpus) if load.pub_cpus else None,
+        "machine": machine(), "load_average_before": load.load_before, "cpu_note": SHARING_NOTE,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-        "max_pending_per_group": args.max_pending, "process_failures": bad,
-        "setup_s": setup_s, "publishers_ready": ready,
+        "max_pending_per_group": args.max_pending, "process_failures": load.failures,
+        "setup_s": load.setup_s, "publishers_ready": load.ready,
         "offered_per_s": published / load_s if load_s > 0 else None,
         "offered_target_per_s": args.groups / args.interval,
         "published": published,
@@ -436,8 +257,8 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
         "drain_s": max((s["drain_s"] for s in per_shard if s["drain_s"] is not None), default=None),
         "backlog_max": max(s["backlog_max"] for s in per_shard),
         "backlog_mean": float(sum(s["backlog_mean"] for s in per_shard)),
-        "backlog_at_load_end": sum(at_end),
-        "keeps_up": all(bool(samples[k]) and at_end[k] <= max(2 * args.groups, 8)
+        "backlog_at_load_end": sum(load.at_end),
+        "keeps_up": all(bool(load.samples[k]) and load.at_end[k] <= max(2 * args.groups, 8)
                         and (per_shard[k]["drain_s"] if per_shard[k]["drain_s"] is not None else 1e9) < 5.0
                         for k in range(shards)),
         "publish_ms_mean": 1e3 * sum(p["publish_s"] - p["initial_s"] for p in pub) / max(1, published),
@@ -450,9 +271,6 @@ def run_shards(params: int, shards: int, args, base: Path) -> dict:
                       "max": max(((s["staleness"] or {}).get("max", 0) for s in per_shard), default=0)},
         "counts": counts, "ledger": ledger, "per_shard": per_shard,
     }
-    if not args.keep:
-        shutil.rmtree(roots[0].parent, ignore_errors=True)
-    return out
 
 
 def show(r: dict) -> None:
@@ -502,227 +320,6 @@ def show(r: dict) -> None:
           + (f" in all {k} shards; {led['updates_applied_whole']} updates applied whole, "
              f"{led['updates_applied_in_part']} only in part" if k > 1 else "")
           + (f"; process failures {r['process_failures']}" if r["process_failures"] else ""))
-
-
-# ------------------------------------------------------------------------------------------------
-# where one full update's CPU goes
-# ------------------------------------------------------------------------------------------------
-
-
-def _quartiles(samples_ns: list[int], per: int = 1) -> dict:
-    ms = np.asarray(samples_ns, dtype=np.float64) / 1e6 / per
-    q1, med, q3 = np.percentile(ms, [25, 50, 75])
-    return {"median_ms": float(med), "q1_ms": float(q1), "q3_ms": float(q3), "n": len(samples_ns),
-            "amortised_over": per}
-
-
-def _timed(fn, reps: int) -> tuple[list[int], list[int]]:
-    """CPU (process time) and wall nanoseconds of `reps` calls of fn."""
-    cpu, wall = [], []
-    for _ in range(reps):
-        c0, w0 = time.process_time_ns(), time.perf_counter_ns()
-        fn()
-        cpu.append(time.process_time_ns() - c0)
-        wall.append(time.perf_counter_ns() - w0)
-    return cpu, wall
-
-
-def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts: list[int]) -> dict:
-    """Time the parts of one full HEP update as the applier does them, in this process.
-
-    The parts: read + verify (Channel.read_update: open, read, the keyed tag, header checks), the
-    finite check, Adam (hpcdl.applier.rules.Adam.apply: the compiled kernel on weights and two
-    slots), the state save and the weights publish (once per batch of `batch`: amortised), the
-    unlink of the update file;
-    then whole applier batches (Applier.step on `batch` pending updates, events and status
-    included) for comparison with the sum of the parts, and the same for one shard of each K in
-    `shard_counts` (its largest piece of the partition).
-    """
-    from hpcdl.applier import Applier, ApplierConfig
-    from hpcdl.applier.rules import Adam, RuleParams
-
-    shapes = hep_layout(HEP_PARAMS)
-    key = secrets.token_bytes(32)
-    ch = Channel(base / "parts", RUN_ID, signer=Signer(key), fsync=fsync)
-    rng = np.random.default_rng(0)
-    grads = {k: (rng.standard_normal(s) * 1e-3).astype(np.float32) for k, s in shapes.items()}
-    path = ch.publish_update(0, 0, 0, grads)
-    upd = ch.read_update(path)
-    weights = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
-    slots = {"m": {k: np.zeros_like(w) for k, w in weights.items()},
-             "v": {k: np.zeros_like(w) for k, w in weights.items()}}
-    rule = Adam(RuleParams(lr=1e-3))
-    t = [0]
-
-    def adam() -> None:
-        t[0] += 1
-        rule.apply(weights, slots, upd.tensors, 1.0, t[0])
-
-    def finite() -> None:
-        for g in upd.tensors.values():
-            if not np.isfinite(g).all():
-                raise AssertionError("non-finite")
-
-    parts: dict[str, tuple[list[int], list[int], int]] = {}
-    for name, fn, n in (("read+verify", lambda: ch.read_update(path), reps),
-                        ("isfinite", finite, reps), ("adam", adam, reps)):
-        fn()  # warm: first-touch page faults are not what a running applier pays
-        cpu, wall = _timed(fn, n)
-        parts[name] = (cpu, wall, 1)
-
-    # The state save and the weights publish, as the applier's own code does them.
-    app_ch = Channel(base / "applier", RUN_ID, signer=Signer(key), fsync=fsync)
-    app = Applier(app_ch, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3), initial=weights)
-    with app:
-        slow = max(10, reps // 4)
-        parts["state save"] = (*_timed(app._save_state, slow), batch)
-        version = [app.version]
-
-        def publish() -> None:
-            version[0] += 1
-            app_ch.publish_weights(version[0], app.weights)
-            app_ch.prune_weights(3)
-
-        parts["weights publish"] = (*_timed(publish, slow), batch)
-
-        copies = []
-        for i in range(reps):
-            dest = ch.updates_dir / update_name(1, i)
-            shutil.copyfile(path, dest)
-            copies.append(dest)
-        it = iter(copies)
-        parts["unlink"] = (*_timed(lambda: os.unlink(next(it)), reps), 1)
-
-        whole = _whole_batches(app, app_ch, grads, batch, slow)
-    # The same whole batches for one shard of K: the largest piece of the partition, its own applier.
-    per_shard = {1: dict(whole, params=HEP_PARAMS)}
-    for k in (k for k in shard_counts if k > 1):
-        pieces = partition_of(shapes, k).split(grads)
-        piece = max(pieces, key=lambda t: sum(a.nbytes for a in t.values()))
-        shard_ch = Channel(base / f"shard-of-{k}", RUN_ID, signer=Signer(key), fsync=fsync)
-        initial = {name: np.zeros_like(a) for name, a in piece.items()}
-        with Applier(shard_ch, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3),
-                     initial=initial) as shard_app:
-            per_shard[k] = dict(_whole_batches(shard_app, shard_ch, piece, batch, slow),
-                                params=sum(a.size for a in piece.values()))
-    out = {name: {"cpu": _quartiles(cpu, per), "wall": _quartiles(wall, per)}
-           for name, (cpu, wall, per) in parts.items()}
-    total = sum(v["cpu"]["median_ms"] for v in out.values())
-    return {"params": HEP_PARAMS, "update_bytes": HEP_PARAMS * 4, "batch": batch, "fsync": fsync,
-            "tag": ch.signer.alg, "parts": out, "sum_of_medians_cpu_ms": total,
-            "applier_step_per_update": whole, "shard_step_per_update": per_shard}
-
-
-def _whole_batches(app, channel: Channel, grads: dict, batch: int, reps: int) -> dict:
-    """CPU and wall per update of `reps` full batches through the real applier loop (listing,
-    events and status included)."""
-    cpu, wall, seq = [], [], 0
-    for _ in range(reps):
-        for _ in range(batch):
-            channel.publish_update(2, seq, app.version, grads)
-            seq += 1
-        c0, w0 = time.process_time_ns(), time.perf_counter_ns()
-        applied = app.counts["applied"]
-        app.step()
-        applied = max(1, app.counts["applied"] - applied)
-        cpu.append((time.process_time_ns() - c0) // applied)
-        wall.append((time.perf_counter_ns() - w0) // applied)
-    return {"cpu": _quartiles(cpu), "wall": _quartiles(wall)}
-
-
-def shard_fit(bd: dict) -> dict:
-    """CPU per update of one shard of K, fitted as a + b/K (least squares over the measured K):
-    a is paid per file in every shard, b is the full update's per-byte work, shared out."""
-    ks = sorted(int(k) for k in bd["shard_step_per_update"])  # JSON keys
-    cpu = [bd["shard_step_per_update"][str(k)]["cpu"]["median_ms"] for k in ks]
-    a, b = (np.linalg.lstsq(np.array([[1.0, 1.0 / k] for k in ks]), np.array(cpu), rcond=None)[0]
-            if len(ks) > 1 else (0.0, cpu[0]))
-    return {"K": ks, "cpu_ms": cpu, "ratio_to_k1": [c / cpu[0] for c in cpu],
-            "fixed_ms": float(a), "shared_ms": float(b)}
-
-
-def planner_advice(fit: dict, bd: dict, groups: int, max_pending: int | None) -> dict:
-    """hpcdl plan's shard advice for `groups` groups at the paper's cadence, with the applier's
-    costs as measured here: a per file (the planner's per-file latency λ, paid (1 + 1/batch)
-    times per update) and b per full update split into the read (at read + verify's measured
-    rate W, once per update and once per batch for the publish) and the apply (A)."""
-    from hpcdl.perf.planner import PlanInputs, recommend_shards
-
-    m, n = bd["batch"], float(bd["update_bytes"])
-    read_ms = bd["parts"]["read+verify"]["cpu"]["median_ms"]
-    bandwidth = n / (read_ms * 1e-3)
-    apply_s = max(fit["shared_ms"] * 1e-3 - n * (1 + 1 / m) / bandwidth, 1e-6)  # > 0 if noise says not
-    # two K fitted under load can put the per-file part below zero: it is none, not negative
-    latency = max(fit["fixed_ms"] * 1e-3 / (1 + 1 / m), 0.0)
-    values = dict(exchange_latency=latency, exchange_bandwidth=bandwidth,
-                  applier_bytes_per_s=n / apply_s,
-                  applier_max_batch=m, max_pending_per_group=max_pending or 0, max_staleness=-1)
-    inputs = PlanInputs.measured_here(1.90e12, batch_per_node=8, exchange_every=1).with_values(
-        "python -m bench.exchange_load --breakdown on this machine", **values)
-    advice = recommend_shards(inputs, nodes=groups, groups=groups)
-    return {"inputs": values, "advice": advice.to_dict()}
-
-
-def _breakdown_child(base: str, reps: int, batch: int, fsync: bool, shard_counts: list[int],
-                     pin: set[int] | None, out: str) -> None:
-    _pin(pin, "breakdown")
-    result = breakdown_parts(Path(base), reps, batch, fsync, shard_counts)
-    Path(out).write_text(json.dumps(result))
-
-
-def run_breakdown(args, base: Path) -> dict:
-    """breakdown_parts in a child process, pinned to one core (unless --no-pin)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    pin = {cpus[0]} if args.pin and cpus else None
-    where = base / "breakdown"
-    where.mkdir(parents=True)
-    out = where / "result.json"
-    before = machine()
-    proc = mp.get_context("fork").Process(target=_breakdown_child,
-                                          args=(str(where), args.reps, args.max_batch, args.fsync,
-                                                sorted(set(args.shards) | {1}), pin, str(out)))
-    proc.start()
-    proc.join()
-    if proc.exitcode != 0 or not out.exists():
-        raise RuntimeError(f"the breakdown failed (exit {proc.exitcode})")
-    result = json.loads(out.read_text())
-    result.update(cpus=sorted(pin) if pin else None, machine=machine(),
-                  load_average_before=before["load_average"])
-    result["shard_fit"] = fit = shard_fit(result)
-    result["planner"] = planner_advice(fit, result, args.groups, args.max_pending)
-    return result
-
-
-def show_breakdown(b: dict) -> None:
-    m = b["machine"]
-    print(f"\n== one full HEP update ({b['params']:,} params, {b['update_bytes'] / 1e6:.2f} MB, "
-          f"{b['tag']}, fsync {'on' if b['fsync'] else 'off'}), one process on CPU {b['cpus'] or 'any'}: "
-          f"CPU ms, median [quartiles]")
-    print(f"  machine    {m['cpu_model']} (avx2 {'yes' if m['avx2'] else 'no'}, avx512f "
-          f"{'yes' if m['avx512f'] else 'no'}); load average "
-          f"{' '.join(f'{x:.1f}' for x in b['load_average_before'] or [])} before, "
-          f"{' '.join(f'{x:.1f}' for x in m['load_average'] or [])} after")
-    for name, v in b["parts"].items():
-        c = v["cpu"]
-        amort = f" (÷{c['amortised_over']}: once per batch)" if c["amortised_over"] > 1 else ""
-        print(f"  {name:16s} {c['median_ms']:6.2f} [{c['q1_ms']:.2f}-{c['q3_ms']:.2f}]  "
-              f"wall {v['wall']['median_ms']:.2f}{amort}, n={c['n']}")
-    s = b["applier_step_per_update"]["cpu"]
-    print(f"  {'sum of parts':16s} {b['sum_of_medians_cpu_ms']:6.2f}")
-    print(f"  {'Applier.step':16s} {s['median_ms']:6.2f} [{s['q1_ms']:.2f}-{s['q3_ms']:.2f}] per update, "
-          f"whole batches of {b['batch']} (events, status, listing included), n={s['n']}")
-    print(f"  {'step - parts':16s} {s['median_ms'] - b['sum_of_medians_cpu_ms']:6.2f}  (the listing, "
-          f"events.jsonl, status.json, ledger and bookkeeping of a batch, per update)")
-    fit = b["shard_fit"]
-    for k, cpu, ratio in zip(fit["K"], fit["cpu_ms"], fit["ratio_to_k1"]):
-        params = b["shard_step_per_update"][str(k)]["params"]
-        print(f"  one shard of K = {k}: {cpu:.2f} ms per update ({ratio:.2f} of K = 1, 1/K = {1 / k:.2f}), "
-              f"its largest piece {params:,} params, whole batches of {b['batch']}")
-    print(f"  fit        {fit['fixed_ms']:.2f} ms per file in every shard + {fit['shared_ms']:.2f} ms / K")
-    adv = b["planner"]["advice"]
-    print(f"  planner    {adv['groups']} groups at the paper's cadence, these costs: K = {adv['shards']} "
-          f"(each shard {100 * adv['applier_utilisation']:.0f} % busy; one applier "
-          f"{100 * adv['one_applier_utilisation']:.0f} %), bound {'met' if adv['met'] else 'NOT met'}")
 
 
 # ------------------------------------------------------------------------------------------------
