@@ -16,7 +16,7 @@ model's luck. Then the race seeds run with the chosen rates. Every run's first s
 the untrained model's: a target counts only beyond every one of them by `--margin`, and is
 reached when held over two consecutive scores. A run whose step is not finite has diverged: it
 reaches nothing. Reported: time to each target, its ratio to the tuned synchronous run per seed,
-the median and a bootstrap 95 % interval over seeds (bench.hybrid_race.bootstrap). A PNG per scenario and N.
+the median and a bootstrap 95 % interval over seeds (bench.race_summary.bootstrap). A PNG per scenario and N.
 
     .venv/bin/python -m bench.emulated_race --quick      # N 8, G 1 and 2, one scenario: minutes
     .venv/bin/python -m bench.emulated_race --ranks 8,64,512 --scenarios none,s01,s03,stalls,slow2,slow3
@@ -31,7 +31,8 @@ import time
 from pathlib import Path
 
 from bench.harness import log, machine, publish_png, result_path, write_result
-from bench.hybrid_race import BATCH, IMAGE, MODEL, TRAIN_RATE, bootstrap, generated
+from bench.race_common import BATCH, IMAGE, MODEL, TRAIN_RATE, generated
+from bench.race_summary import bootstrap
 from hpcdl.perf.accuracy import Run, Target, sweep_rate
 
 SUITE = "emulated-race"

@@ -3,14 +3,14 @@ their interval over seeds, the AUC at fixed times, and the picture beside the JS
 
 from __future__ import annotations
 
-from bench import hybrid_race as race
-from bench.hybrid_race import Result
+from bench import hybrid_race as race, race_common as common, race_summary
+from bench.race_common import Result
 
 
 def run(config: str, seed: int, times: dict, curve, phase: str = "race", rate: float = 1e-3) -> Result:
     r = Result("a", config, seed, rate, phase, dict(times), curve=curve)
     r.best_auc = max(a for _t, _n, a in curve)
-    r.held_auc = race.held(curve)
+    r.held_auc = common.held(curve)
     return r
 
 
@@ -35,8 +35,8 @@ def test_ratios_are_per_seed_against_the_tuned_sync_with_an_interval_over_seeds(
                            rising(60, 0.92)))
         results.append(run("8x1 job defaults", seed, {"0.9": hyb_t, "0.93": None, "sync best": hyb_t},
                            rising(50, 0.93)))
-    configs = [race.SYNC, race.job_defaults(8)]
-    summary = race.summarise(results, configs, ["a"], {"a": {c.name: c.rate for c in configs}}, {})
+    configs = [common.SYNC, common.job_defaults(8)]
+    summary = race_summary.summarise(results, configs, ["a"], {"a": {c.name: c.rate for c in configs}}, {})
     hybrid = summary["a"]["configs"]["8x1 job defaults"]["targets"]
     assert hybrid["0.9"]["ratio_per_seed"] == [0.5, 0.4, 0.8]
     assert hybrid["0.9"]["ratio_to_sync"] == 0.5
@@ -45,20 +45,20 @@ def test_ratios_are_per_seed_against_the_tuned_sync_with_an_interval_over_seeds(
     assert hybrid["0.93"]["time_s"] is None and hybrid["0.93"]["ratio_to_sync"] is None
     sync = summary["a"]["configs"]["1x8 sync"]
     assert sync["targets"]["0.9"]["ratio_to_sync"] == 1.0
-    assert sync["auc_at_s"]["30"] == race.auc_at(results[0].curve, 30.0)
+    assert sync["auc_at_s"]["30"] == race_summary.auc_at(results[0].curve, 30.0)
     assert summary["a"]["configs"]["8x1 job defaults"]["auc_at_s"]["45"] > sync["auc_at_s"]["45"]
 
 
 def test_a_run_that_stopped_has_no_auc_at_a_later_time():
     curve = rising(20, 0.9)
-    assert race.auc_at(curve, 10.0) == curve[4][2]
-    assert race.auc_at(curve, 45.0) is None
+    assert race_summary.auc_at(curve, 10.0) == curve[4][2]
+    assert race_summary.auc_at(curve, 45.0) is None
 
 
 def test_the_picture_is_a_png_beside_the_result(tmp_path):
     results = [run("1x8 sync", s, {"0.9": 20.0}, rising(60, 0.92)) for s in range(2)]
     results += [run("8x1 job defaults", s, {"0.9": 10.0}, rising(50, 0.94)) for s in range(2)]
-    configs = [race.SYNC, race.job_defaults(8)]
-    summary = race.summarise(results, configs, ["a"], {"a": {c.name: c.rate for c in configs}}, {})
-    path = race.picture(tmp_path / "race-a.png", "a", summary["a"], results, 60.0)
+    configs = [common.SYNC, common.job_defaults(8)]
+    summary = race_summary.summarise(results, configs, ["a"], {"a": {c.name: c.rate for c in configs}}, {})
+    path = race_summary.picture(tmp_path / "race-a.png", "a", summary["a"], results, 60.0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
