@@ -49,111 +49,12 @@ import time
 from pathlib import Path
 
 from bench.harness import HPCDL, Probe, log, machine, result_path, write_result
-from hpcdl.runs import RunDir
-
-from bench.race_common import BATCH, CONFIGS, Config, DEFAULT_CONFIGS, FIXED_TIMES, GRID, IMAGE, MODEL, RANKS, Result, SCENARIOS, SCORE_EVERY_S, SUITE, SYNC, StopRule, TARGETS, generated, held, named
+from bench.race_common import (
+    BATCH, CONFIGS, DEFAULT_CONFIGS, FIXED_TIMES, GRID, IMAGE, MODEL, RANKS, SCENARIOS, SCORE_EVERY_S, SUITE, SYNC,
+    TARGETS, Config, Result, StopRule, Watched, generated, held, named,
+)
 from bench.race_summary import auc_at, markdown, picture, render, summarise
-
-
-class Watched:
-    """What the race reads of one run while it trains, through the run's own path owners."""
-
-    def __init__(self, root: Path, config: Config):
-        self.run = RunDir(root)
-        self.config = config
-        self.job = self.run.load_job()
-        self._channel = None
-
-    @property
-    def channel(self):
-        from hpcdl.exchange import Channel
-
-        if self._channel is None:
-            self._channel = Channel(self.run.exchange_dir(self.job), self.run.run_id, create=False)
-        return self._channel
-
-    def snapshot(self, keep: Path) -> tuple[Path, int] | None:
-        """The newest model of the run, hard-linked into `keep` (files are pruned as the run goes)."""
-        if self.config.groups == 1:
-            steps = sorted(int(p.name[5:-6]) for p in self.run.checkpoint_dir(0).glob("ckpt-*.index"))
-            if not steps:
-                return None
-            prefix = self.run.checkpoint_dir(0) / f"ckpt-{steps[-1]}"
-            try:
-                for part in prefix.parent.glob(prefix.name + ".*"):
-                    os.link(part, keep / part.name)
-            except FileExistsError:
-                pass
-            except FileNotFoundError:
-                return None
-            return keep / prefix.name, steps[-1]
-        from hpcdl.exchange.channel import weights_name
-
-        try:
-            versions = self.channel.weight_versions()
-        except FileNotFoundError:
-            return None
-        if not versions:
-            return None
-        name = weights_name(versions[-1])
-        try:
-            os.link(self.channel.weights_dir / name, keep / name)
-        except FileExistsError:
-            pass
-        except FileNotFoundError:
-            return None
-        return keep / name, versions[-1]
-
-    def last_lines(self) -> list[dict]:
-        out = []
-        for g in range(self.config.groups):
-            try:
-                lines = self.run.metrics_file(g).read_text().splitlines()
-                out.append(json.loads(lines[-1]))
-            except (OSError, ValueError, IndexError):
-                continue
-        return out
-
-    def warmed_up(self) -> float | None:
-        """When the first group logged its first window (5 steps): start-up, Horovod's and
-        TensorFlow's first-step tracing are over. Every configuration's clock starts there."""
-        times = []
-        for g in range(self.config.groups):
-            try:
-                first = self.run.metrics_file(g).read_text().split("\n", 1)[0]
-                times.append(json.loads(first)["time"])
-            except (OSError, ValueError, KeyError):
-                continue
-        return min(times) if times else None
-
-    def figures(self, res: Result) -> None:
-        """The applier's rate and staleness, the roots' waiting and the restarts, after the run."""
-        if self.config.groups > 1:
-            try:
-                lines = self.channel.events_path.read_text().splitlines()
-            except (OSError, FileNotFoundError):
-                lines = []
-            applied = []
-            for line in lines:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if ev.get("event") == "applied":
-                    applied.append(ev)
-            if len(applied) >= 2:
-                span = applied[-1]["time"] - applied[0]["time"]
-                res.updates_per_s = (len(applied) - 1) / span if span > 0 else None
-                st = sorted(ev["staleness"] for ev in applied)
-                res.staleness_mean = statistics.fmean(st)
-                res.staleness_p95 = st[min(len(st) - 1, int(0.95 * len(st)))]
-            shares = [ln["exchange_wait_seconds"] / (ln["time"] - ln["train_start"])
-                      for ln in self.last_lines()
-                      if "exchange_wait_seconds" in ln and ln["time"] > ln.get("train_start", ln["time"])]
-            res.wait_share = statistics.fmean(shares) if shares else None
-        if self.run.local_state_file.is_file():
-            view = json.loads(self.run.local_state_file.read_text())
-            res.restarts = sum(g.get("restarts", 0) for g in view.get("groups", {}).values())
+from hpcdl.runs import RunDir
 
 
 def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate: float, phase: str,
@@ -163,19 +64,7 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
     shutil.rmtree(runs, ignore_errors=True)
     keep = runs / "snapshots"
     keep.mkdir(parents=True)
-    overrides = [
-        *(f'data.{k}="{v}"' for k, v in files.items()), "train.steps=100000",
-        f"train.batch_per_rank={BATCH}", "train.log_every=5", "train.checkpoint_every=5",
-        "train.keep_checkpoints=3", f"train.seed={seed}", "data.chunk_events=512",
-        "train.validate_every=0",  # the race scores every model itself, from outside the run
-        *(f"model.{k}={v}" for k, v in MODEL.items()),
-        "emulate.enabled=true", f"emulate.step_seconds={args.step_seconds}", f"emulate.seed={seed}",
-        *SCENARIOS[scenario][1], *config.exchange, f"{config.rate_field}={rate:.6g}",
-    ]
-    cmd = [HPCDL, "submit", "hep", "--backend", "local", "--nodes", str(RANKS), "--group-size",
-           str(config.group_size), "--runs-dir", str(runs), "--json"]
-    for o in overrides:
-        cmd += ["--set", o]
+    cmd = _submit_command(args, files, scenario, config, seed, rate, runs)
     t0 = time.time()
     load_before = os.getloadavg()[0]
     with open(runs / "submit.log", "w") as out:
@@ -205,21 +94,7 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
         if elapsed > rule.budget:
             res.stopped = f"budget {rule.budget:.0f} s"
         elif now - last_score >= SCORE_EVERY_S:
-            snap = watched.snapshot(keep)
-            if snap is not None:
-                last_score = time.time()
-                auc = scorer.ask(op="auc", snapshots=[str(snap[0])], stats=stats, model=MODEL,
-                                 input_shape=[IMAGE, IMAGE, 3], data=[str(files["val"])],
-                                 run_dir=str(watched.run.root))["results"][0]["auc_unweighted"]
-                seen = last_score - start
-                res.curve.append((round(seen, 2), config.samples(snap[1]), round(auc, 4)))
-                res.best_auc = max(res.best_auc, auc)
-                for key, t in rule.targets.items():
-                    if auc >= t and res.times_to_target[key] is None:
-                        res.times_to_target[key] = round(seen, 2)
-                reached = all(v is not None for v in res.times_to_target.values())
-                if reached and seen >= rule.run_until:
-                    res.stopped = "every target reached"
+            last_score = _score(res, watched, scorer, stats, files["val"], keep, start, config, rule) or last_score
         if res.stopped:
             res.trained_s = time.time() - start
             break
@@ -241,15 +116,61 @@ def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate
             shutil.rmtree(watched.run.checkpoints_root, ignore_errors=True)
     if not args.keep_runs:
         shutil.rmtree(keep, ignore_errors=True)
+    _log_result(res)
+    return res
+
+
+def _submit_command(args, files, scenario: str, config: Config, seed: int, rate: float, runs: Path) -> list[str]:
+    """`hpcdl submit` of one race run: the race's model and data, the scenario's stragglers, the
+    configuration's exchange and rate."""
+    overrides = [
+        *(f'data.{k}="{v}"' for k, v in files.items()), "train.steps=100000",
+        f"train.batch_per_rank={BATCH}", "train.log_every=5", "train.checkpoint_every=5",
+        "train.keep_checkpoints=3", f"train.seed={seed}", "data.chunk_events=512",
+        "train.validate_every=0",  # the race scores every model itself, from outside the run
+        *(f"model.{k}={v}" for k, v in MODEL.items()),
+        "emulate.enabled=true", f"emulate.step_seconds={args.step_seconds}", f"emulate.seed={seed}",
+        *SCENARIOS[scenario][1], *config.exchange, f"{config.rate_field}={rate:.6g}",
+    ]
+    cmd = [HPCDL, "submit", "hep", "--backend", "local", "--nodes", str(RANKS), "--group-size",
+           str(config.group_size), "--runs-dir", str(runs), "--json"]
+    for o in overrides:
+        cmd += ["--set", o]
+    return cmd
+
+
+def _score(res: Result, watched: Watched, scorer, stats, val, keep: Path, start: float, config: Config,
+           rule: StopRule) -> float | None:
+    """Score the run's newest model (a snapshot kept in `keep`) into `res`: its curve, best AUC,
+    times to the targets and whether the stop rule holds. The time scored, or None without a
+    snapshot."""
+    snap = watched.snapshot(keep)
+    if snap is None:
+        return None
+    scored = time.time()
+    auc = scorer.ask(op="auc", snapshots=[str(snap[0])], stats=stats, model=MODEL,
+                     input_shape=[IMAGE, IMAGE, 3], data=[str(val)],
+                     run_dir=str(watched.run.root))["results"][0]["auc_unweighted"]
+    seen = scored - start
+    res.curve.append((round(seen, 2), config.samples(snap[1]), round(auc, 4)))
+    res.best_auc = max(res.best_auc, auc)
+    for key, t in rule.targets.items():
+        if auc >= t and res.times_to_target[key] is None:
+            res.times_to_target[key] = round(seen, 2)
+    if all(v is not None for v in res.times_to_target.values()) and seen >= rule.run_until:
+        res.stopped = "every target reached"
+    return scored
+
+
+def _log_result(res: Result) -> None:
     reached = ", ".join(f"{t} at {v:.0f} s" for t, v in res.times_to_target.items() if v is not None)
-    log(f"  {phase} {scenario} {config.name} seed {seed} rate {rate:.3g}: "
+    log(f"  {res.phase} {res.scenario} {res.config} seed {res.seed} rate {res.rate:.3g}: "
         + (f"AUC {reached}" if reached else "no target") + f", best {res.best_auc:.3f}"
         + (f", stale {res.staleness_mean:.1f}/{res.staleness_p95:.0f}" if res.staleness_mean is not None else "")
         + (f", wait {100 * res.wait_share:.1f} %" if res.wait_share is not None else "")
         + (f", restarts {res.restarts}" if res.restarts else "")
         + f"; start-up {res.startup_s or 0:.0f} s, trained {res.trained_s:.0f} s, teardown "
           f"{res.teardown_s:.0f} s [{res.stopped or 'ended'}]")
-    return res
 
 
 # -- choosing the rates ---------------------------------------------------------------------
@@ -293,22 +214,7 @@ def sweep(args, files, scorer, scenario: str, configs: list[Config], results: li
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="for developers: no sweep (every configuration at its centre rate), one seed, "
-                         "a 45 s budget")
-    ap.add_argument("--seeds", type=int, default=3, help="race seeds (0..N-1)")
-    ap.add_argument("--tuning-seeds", default="100", help="the sweep's seeds, comma-separated")
-    ap.add_argument("--scenarios", default="a,b")
-    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated names")
-    ap.add_argument("--step-seconds", type=float, default=0.2)
-    ap.add_argument("--budget", type=float, default=60.0, help="seconds of training at most per run")
-    ap.add_argument("--events", type=int, default=20000)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-race"))
-    ap.add_argument("--keep-runs", action="store_true")
-    ap.add_argument("--json", type=Path, help="write the result here (default: bench/results/race/…)")
-    ap.add_argument("--table", type=Path, help="print a results file's summary as a Markdown table; run nothing")
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.table:
         print(markdown(json.loads(args.table.read_text())["summary"]))
         return 0
@@ -363,23 +269,48 @@ def main(argv=None) -> int:
                           else {c.name: c.rate for c in configs})
             log(f"({sc}) chosen rates: " + ", ".join(f"{k} {v:.3g}" for k, v in chosen[sc].items()))
             for seed in range(args.seeds):
-                sync = race_one(args, files, scorer, sc, SYNC, seed, chosen[sc][SYNC.name], "race",
-                                StopRule(named(TARGETS), args.budget, run_until=args.budget))
-                sync.times_to_target["sync best"] = next(
-                    (t for t, _n, a in sync.curve if a >= sync.held_auc), None) if sync.curve else None
-                results.append(sync)
-                others = [c for c in configs if c != SYNC]
-                shift = seed % len(others) if others else 0
-                for c in others[shift:] + others[:shift]:
-                    rule = StopRule({**named(TARGETS), "sync best": sync.held_auc}, args.budget,
-                                    run_until=max(FIXED_TIMES))
-                    results.append(race_one(args, files, scorer, sc, c, seed, chosen[sc][c.name], "race", rule))
+                results += _race_seed(args, files, scorer, sc, configs, chosen[sc], seed)
             save(scenarios[:n + 1])
     finally:
         scorer.close()
     elapsed = (time.time() - started) / 60
     log(f"results: {path} and its pictures ({elapsed:.1f} min)")
     return 0
+
+
+def _race_seed(args, files, scorer, scenario: str, configs: list[Config], rates: dict, seed: int) -> list[Result]:
+    """One race seed of a scenario: the synchronous group first (its best held AUC is a target
+    of the others), then the others, in an order that turns with the seed."""
+    sync = race_one(args, files, scorer, scenario, SYNC, seed, rates[SYNC.name], "race",
+                    StopRule(named(TARGETS), args.budget, run_until=args.budget))
+    sync.times_to_target["sync best"] = next(
+        (t for t, _n, a in sync.curve if a >= sync.held_auc), None) if sync.curve else None
+    results = [sync]
+    others = [c for c in configs if c != SYNC]
+    shift = seed % len(others) if others else 0
+    for c in others[shift:] + others[:shift]:
+        rule = StopRule({**named(TARGETS), "sync best": sync.held_auc}, args.budget, run_until=max(FIXED_TIMES))
+        results.append(race_one(args, files, scorer, scenario, c, seed, rates[c.name], "race", rule))
+    return results
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="for developers: no sweep (every configuration at its centre rate), one seed, "
+                         "a 45 s budget")
+    ap.add_argument("--seeds", type=int, default=3, help="race seeds (0..N-1)")
+    ap.add_argument("--tuning-seeds", default="100", help="the sweep's seeds, comma-separated")
+    ap.add_argument("--scenarios", default="a,b")
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated names")
+    ap.add_argument("--step-seconds", type=float, default=0.2)
+    ap.add_argument("--budget", type=float, default=60.0, help="seconds of training at most per run")
+    ap.add_argument("--events", type=int, default=20000)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-race"))
+    ap.add_argument("--keep-runs", action="store_true")
+    ap.add_argument("--json", type=Path, help="write the result here (default: bench/results/race/…)")
+    ap.add_argument("--table", type=Path, help="print a results file's summary as a Markdown table; run nothing")
+    return ap
 
 
 if __name__ == "__main__":

@@ -1,12 +1,17 @@
 """What bench.hybrid_race races and records: its network and data, the straggler scenarios, the
-configurations and their rates, a run's result, the stop rule."""
+configurations and their rates, a run's result, the stop rule, and what it reads of a run while
+it trains (`Watched`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness import hep_data
+from hpcdl.runs import RunDir
 
 SUITE = "race"
 RANKS = 8
@@ -120,3 +125,104 @@ def held(curve) -> float:
     if len(aucs) < 2:
         return aucs[0] if aucs else 0.0
     return max(min(x, y) for x, y in zip(aucs, aucs[1:]))
+
+
+class Watched:
+    """What the race reads of one run while it trains, through the run's own path owners."""
+
+    def __init__(self, root: Path, config: Config):
+        self.run = RunDir(root)
+        self.config = config
+        self.job = self.run.load_job()
+        self._channel = None
+
+    @property
+    def channel(self):
+        from hpcdl.exchange import Channel
+
+        if self._channel is None:
+            self._channel = Channel(self.run.exchange_dir(self.job), self.run.run_id, create=False)
+        return self._channel
+
+    def snapshot(self, keep: Path) -> tuple[Path, int] | None:
+        """The newest model of the run, hard-linked into `keep` (files are pruned as the run goes)."""
+        if self.config.groups == 1:
+            steps = sorted(int(p.name[5:-6]) for p in self.run.checkpoint_dir(0).glob("ckpt-*.index"))
+            if not steps:
+                return None
+            prefix = self.run.checkpoint_dir(0) / f"ckpt-{steps[-1]}"
+            try:
+                for part in prefix.parent.glob(prefix.name + ".*"):
+                    os.link(part, keep / part.name)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                return None
+            return keep / prefix.name, steps[-1]
+        from hpcdl.exchange.channel import weights_name
+
+        try:
+            versions = self.channel.weight_versions()
+        except FileNotFoundError:
+            return None
+        if not versions:
+            return None
+        name = weights_name(versions[-1])
+        try:
+            os.link(self.channel.weights_dir / name, keep / name)
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            return None
+        return keep / name, versions[-1]
+
+    def last_lines(self) -> list[dict]:
+        out = []
+        for g in range(self.config.groups):
+            try:
+                lines = self.run.metrics_file(g).read_text().splitlines()
+                out.append(json.loads(lines[-1]))
+            except (OSError, ValueError, IndexError):
+                continue
+        return out
+
+    def warmed_up(self) -> float | None:
+        """When the first group logged its first window (5 steps): start-up, Horovod's and
+        TensorFlow's first-step tracing are over. Every configuration's clock starts there."""
+        times = []
+        for g in range(self.config.groups):
+            try:
+                first = self.run.metrics_file(g).read_text().split("\n", 1)[0]
+                times.append(json.loads(first)["time"])
+            except (OSError, ValueError, KeyError):
+                continue
+        return min(times) if times else None
+
+    def figures(self, res: Result) -> None:
+        """The applier's rate and staleness, the roots' waiting and the restarts, after the run."""
+        if self.config.groups > 1:
+            try:
+                lines = self.channel.events_path.read_text().splitlines()
+            except (OSError, FileNotFoundError):
+                lines = []
+            applied = []
+            for line in lines:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if ev.get("event") == "applied":
+                    applied.append(ev)
+            if len(applied) >= 2:
+                span = applied[-1]["time"] - applied[0]["time"]
+                res.updates_per_s = (len(applied) - 1) / span if span > 0 else None
+                st = sorted(ev["staleness"] for ev in applied)
+                res.staleness_mean = statistics.fmean(st)
+                res.staleness_p95 = st[min(len(st) - 1, int(0.95 * len(st)))]
+            shares = [ln["exchange_wait_seconds"] / (ln["time"] - ln["train_start"])
+                      for ln in self.last_lines()
+                      if "exchange_wait_seconds" in ln and ln["time"] > ln.get("train_start", ln["time"])]
+            res.wait_share = statistics.fmean(shares) if shares else None
+        if self.run.local_state_file.is_file():
+            view = json.loads(self.run.local_state_file.read_text())
+            res.restarts = sum(g.get("restarts", 0) for g in view.get("groups", {}).values())
