@@ -109,23 +109,29 @@ def breakdown_parts(base: Path, reps: int, batch: int, fsync: bool, shard_counts
         parts["unlink"] = (*_timed(lambda: os.unlink(next(it)), reps), 1)
 
         whole = _whole_batches(app, app_ch, grads, batch, slow)
-    # The same whole batches for one shard of K: the largest piece of the partition, its own applier.
-    per_shard = {1: dict(whole, params=HEP_PARAMS)}
-    for k in (k for k in shard_counts if k > 1):
-        pieces = partition_of(shapes, k).split(grads)
-        piece = max(pieces, key=lambda t: sum(a.nbytes for a in t.values()))
-        shard_ch = Channel(base / f"shard-of-{k}", RUN_ID, signer=Signer(key), fsync=fsync)
-        initial = {name: np.zeros_like(a) for name, a in piece.items()}
-        with Applier(shard_ch, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3),
-                     initial=initial) as shard_app:
-            per_shard[k] = dict(_whole_batches(shard_app, shard_ch, piece, batch, slow),
-                                params=sum(a.size for a in piece.values()))
+    per_shard = {1: dict(whole, params=HEP_PARAMS),
+                 **{k: _largest_shard_batches(base, key, fsync, shapes, grads, k, batch, slow)
+                    for k in shard_counts if k > 1}}
     out = {name: {"cpu": _quartiles(cpu, per), "wall": _quartiles(wall, per)}
            for name, (cpu, wall, per) in parts.items()}
     total = sum(v["cpu"]["median_ms"] for v in out.values())
     return {"params": HEP_PARAMS, "update_bytes": HEP_PARAMS * 4, "batch": batch, "fsync": fsync,
             "tag": ch.signer.alg, "parts": out, "sum_of_medians_cpu_ms": total,
             "applier_step_per_update": whole, "shard_step_per_update": per_shard}
+
+
+def _largest_shard_batches(base: Path, key: bytes, fsync: bool, shapes: dict, grads: dict, shards: int,
+                           batch: int, reps: int) -> dict:
+    """The whole batches of one shard of `shards`: the largest piece of the partition, on an
+    applier of its own."""
+    from hpcdl.applier import Applier, ApplierConfig
+
+    pieces = partition_of(shapes, shards).split(grads)
+    piece = max(pieces, key=lambda t: sum(a.nbytes for a in t.values()))
+    channel = Channel(base / f"shard-of-{shards}", RUN_ID, signer=Signer(key), fsync=fsync)
+    initial = {name: np.zeros_like(a) for name, a in piece.items()}
+    with Applier(channel, ApplierConfig("adam", 1e-3, max_batch=batch, keep_versions=3), initial=initial) as app:
+        return dict(_whole_batches(app, channel, piece, batch, reps), params=sum(a.size for a in piece.values()))
 
 
 def _whole_batches(app, channel: Channel, grads: dict, batch: int, reps: int) -> dict:
