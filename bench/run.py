@@ -48,32 +48,7 @@ def sections_help() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=sections_help(),
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
-    ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
-    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-bench"), help="data cache and scratch runs")
-    ap.add_argument("--json", type=Path, help="results file (default bench/results/bench/<date>-<machine>.json)")
-    ap.add_argument("--compare", help="an earlier results JSON, or 'latest'")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps: a smoke test, not figures")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32, help="batch per rank of the 224² step and run")
-    ap.add_argument("--tuning-batch", type=int, default=16)
-    ap.add_argument("--step-n", type=int, default=1, help="timed float32 steps per round")
-    ap.add_argument("--sgemm-n", type=int, default=4096)
-    ap.add_argument("--peak-seconds", type=float, default=2.0,
-                    help="each matmul sample repeats the multiply for this long (a step takes ~3 s)")
-    ap.add_argument("--sustained-steps", type=int, default=16)
-    ap.add_argument("--sustained-log-every", type=int, default=4)
-    ap.add_argument("--sustained-events", type=int, default=600)
-    ap.add_argument("--sustained-precisions", default="float32,bfloat16",
-                    help="one sustained run per tuning.precision (bfloat16 where the CPU has it)")
-    ap.add_argument("--reader-seconds", type=float, default=4.0)
-    ap.add_argument("--exchange-files", type=int, default=20)
-    ap.add_argument("--exchange-steps", type=int, default=60)
-    ap.add_argument("--no-exchange-load", action="store_true", help="do not run bench.exchange_load")
-    ap.add_argument("--hybrid-events", type=int, default=6000, help="the exchange section's short run")
-    ap.add_argument("--keep", action="store_true", help="keep the scratch runs under --work")
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.sustained_steps = 1, 4
@@ -129,6 +104,36 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.__dict__ for r in b.rows], "data": b.data, "table": text})
     print(f"\nresults: {out}")
     return 1 if failures else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=sections_help(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help=f"comma-separated sections ({','.join(SECTIONS)})")
+    ap.add_argument("--skip", default="", help="comma-separated sections to leave out")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-bench"), help="data cache and scratch runs")
+    ap.add_argument("--json", type=Path, help="results file (default bench/results/bench/<date>-<machine>.json)")
+    ap.add_argument("--compare", help="an earlier results JSON, or 'latest'")
+    ap.add_argument("--quick", action="store_true", help="fewer rounds and steps: a smoke test, not figures")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=32, help="batch per rank of the 224² step and run")
+    ap.add_argument("--tuning-batch", type=int, default=16)
+    ap.add_argument("--step-n", type=int, default=1, help="timed float32 steps per round")
+    ap.add_argument("--sgemm-n", type=int, default=4096)
+    ap.add_argument("--peak-seconds", type=float, default=2.0,
+                    help="each matmul sample repeats the multiply for this long (a step takes ~3 s)")
+    ap.add_argument("--sustained-steps", type=int, default=16)
+    ap.add_argument("--sustained-log-every", type=int, default=4)
+    ap.add_argument("--sustained-events", type=int, default=600)
+    ap.add_argument("--sustained-precisions", default="float32,bfloat16",
+                    help="one sustained run per tuning.precision (bfloat16 where the CPU has it)")
+    ap.add_argument("--reader-seconds", type=float, default=4.0)
+    ap.add_argument("--exchange-files", type=int, default=20)
+    ap.add_argument("--exchange-steps", type=int, default=60)
+    ap.add_argument("--no-exchange-load", action="store_true", help="do not run bench.exchange_load")
+    ap.add_argument("--hybrid-events", type=int, default=6000, help="the exchange section's short run")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch runs under --work")
+    return ap
 
 
 if __name__ == "__main__":
