@@ -72,10 +72,8 @@ def build(args):
     plan = plan_threads(TuningConfig(), cores, why, cpu=read_cpuinfo())
     os.environ.update(plan.environment())
     import numpy as np
-    import tensorflow as tf
 
     from hpcdl.engine import nn
-    from hpcdl.engine.nn import Conv2D
     from hpcdl.engine.optim import Adam
     from hpcdl.engine.step import make_train_step
     from hpcdl.engine.tuning import configure_tensorflow
@@ -87,6 +85,50 @@ def build(args):
     model = HepCNN(HepModelConfig(filters=args.filters), (args.image, args.image, 3), seed=0)
     variables = [v for _, v in model.named_variables()]
     optimizer = Adam(variables, 1e-3)
+    parts = _variant_parts(model)
+
+    def variant(dropout, bias, adam, wgrad, order, pool):
+        m = copy.copy(model)
+        if order == "pool_relu":
+            m.__class__ = parts["PoolThenReluCNN"]
+        if pool == "pairwise":
+            m.__class__ = parts["PairwisePoolCNN"]
+        if dropout == "bits16":
+            m._dropout = parts["bits16"]
+        if bias != "matmul_grad":
+            m.convs = []
+            for conv in model.convs:
+                c = copy.copy(conv)
+                c.__class__ = parts["BiasAddConv2D"] if bias == "bias_add" else parts["SumBiasGradConv2D"]
+                m.convs.append(c)
+        o = optimizer
+        if adam == "fused":
+            o = copy.copy(optimizer)
+            o.__class__ = parts["FusedAdam"]
+
+        step = make_train_step(lambda batch: WORKLOAD.loss(m, batch, training=True), variables, o)
+
+        def run(batch):
+            nn.set_conv_weight_grad(wgrad)  # read when the step is traced (its first call)
+            return step(batch)[0]
+        return run
+
+    rng = np.random.default_rng(0)
+    batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
+             (np.arange(args.batch) % 2).astype(np.int32), np.ones(args.batch, np.float32))
+    steps = {name: variant(**{**REFERENCE, **change}) for name, change in VARIANTS.items() if name in args.variants}
+    return plan, model, steps, batch
+
+
+def _variant_parts(model) -> dict:
+    """The variants' pieces (after TensorFlow is configured): a 16-bit dropout mask, two bias
+    forms, a fused Adam, and two orders of pooling and ReLU."""
+    import tensorflow as tf
+
+    from hpcdl.engine.nn import Conv2D
+    from hpcdl.engine.optim import Adam
+    from hpcdl.workloads.hep.model import HepCNN
+
     rate = model.config.dropout
     gen = tf.random.Generator.from_non_deterministic_state()
     threshold = round(rate * 65536)
@@ -154,37 +196,8 @@ def build(args):
             x = tf.nn.relu(self.convs[-1](x), name=f"{self.convs[-1].name}_relu")
             return self.head(tf.reduce_mean(x, axis=[1, 2]))
 
-    def variant(dropout, bias, adam, wgrad, order, pool):
-        m = copy.copy(model)
-        if order == "pool_relu":
-            m.__class__ = PoolThenReluCNN
-        if pool == "pairwise":
-            m.__class__ = PairwisePoolCNN
-        if dropout == "bits16":
-            m._dropout = bits16
-        if bias != "matmul_grad":
-            m.convs = []
-            for conv in model.convs:
-                c = copy.copy(conv)
-                c.__class__ = BiasAddConv2D if bias == "bias_add" else SumBiasGradConv2D
-                m.convs.append(c)
-        o = optimizer
-        if adam == "fused":
-            o = copy.copy(optimizer)
-            o.__class__ = FusedAdam
-
-        step = make_train_step(lambda batch: WORKLOAD.loss(m, batch, training=True), variables, o)
-
-        def run(batch):
-            nn.set_conv_weight_grad(wgrad)  # read when the step is traced (its first call)
-            return step(batch)[0]
-        return run
-
-    rng = np.random.default_rng(0)
-    batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
-             (np.arange(args.batch) % 2).astype(np.int32), np.ones(args.batch, np.float32))
-    steps = {name: variant(**{**REFERENCE, **change}) for name, change in VARIANTS.items() if name in args.variants}
-    return plan, model, steps, batch
+    return {"bits16": bits16, "BiasAddConv2D": BiasAddConv2D, "SumBiasGradConv2D": SumBiasGradConv2D,
+            "FusedAdam": FusedAdam, "PoolThenReluCNN": PoolThenReluCNN, "PairwisePoolCNN": PairwisePoolCNN}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,6 +83,15 @@ def run(b: Bench) -> None:
             bf.close()
     res.update(sgemm=list(b.sgemm), tf_matmul=list(b.tf_mm), tf_matmul_bf16=mm_bf16, step_flops=steps,
                step_fpmath_flops=fpmath, step_explicit_bf16_flops=explicit, cpu_share=shares)
+    _rows(b, res, capped)
+
+
+def _rows(b: Bench, res: dict, capped: bool) -> None:
+    """The table's rows of the matmul peaks and the step, from what run() measured into `res`."""
+    from hpcdl.engine.tuning import read_cpuinfo
+
+    batch, mm_bf16, steps = res["batch"], res["tf_matmul_bf16"], res["step_flops"]
+    fpmath, explicit, shares = res["step_fpmath_flops"], res["step_explicit_bf16_flops"], res["cpu_share"]
     core = b.data["numpy"].get("openblas_core")
     b.row("sgemm.numpy", "peak", f"sgemm numpy float32 {b.args.sgemm_n}² (OpenBLAS, {core} kernels)",
           gf(best(b.sgemm)), f"{best(b.sgemm) / b.peak:.2f} of peak",
