@@ -152,3 +152,30 @@ def tiny_fs(tmp_path):
     yield make
     for p in mounted:
         subprocess.run(["umount", "-l", str(p)], capture_output=True)
+
+
+# Damaged files: a write cut short, and bytes that are no text at all.
+TRUNCATED = b'{"run_id": "hep-1", "backend": "lo'
+BINARY = b"\x00\x9c\xff\xfeELF\x01\x02\x80garbage"
+
+
+def one_error_line(result, fragment):
+    """A CLI result that refused its input as hpcdl must: exit 2, one `Error:` line naming
+    `fragment`, no traceback. Returns that line."""
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and fragment in errors[0], result.output
+    assert "Traceback" not in result.output
+    return errors[0]
+
+
+@pytest.fixture
+def local_run(tmp_path):
+    """A run of the shipped hep job on the local backend, created and never started."""
+    from hpcdl.jobfile import load_job
+    from hpcdl.runs import create_run
+
+    job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"'])
+    with create_run(job, "local") as (_, final):
+        pass
+    return final

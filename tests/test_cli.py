@@ -1,5 +1,6 @@
 """Bad input: one line naming the problem, exit 2 for usage errors, nothing left behind."""
 
+import os
 from pathlib import Path
 
 import h5py
@@ -9,7 +10,7 @@ from click.testing import CliRunner
 
 from hpcdl.cli import main
 from hpcdl.engine.tuning import read_cpuinfo
-from tests.conftest import set_args, tiny_overrides
+from tests.conftest import one_error_line, set_args, tiny_overrides
 
 
 @pytest.fixture
@@ -182,3 +183,48 @@ def test_every_error_the_cli_reports_has_one_base_and_its_exit_code():
     for cls in (JobError, RunError, EvaluateError, LaunchError, CorruptFile, DataFileError):
         assert issubclass(cls, HpcdlError) and cls.exit_code == 2, cls
     assert issubclass(SchedulerError, HpcdlError) and SchedulerError.exit_code == 1
+
+
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/self/nonexistent/deeper"])
+def test_data_generate_into_a_directory_that_cannot_be_made(out):
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", out, "--events", "10"],
+                                catch_exceptions=False)
+    assert out in one_error_line(result, out)
+
+
+def test_data_generate_into_a_read_only_directory(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only directories")
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", str(ro), "--events", "10"],
+                                catch_exceptions=False)
+    one_error_line(result, str(ro))
+    assert list(ro.iterdir()) == []
+
+
+def test_data_generate_keeps_a_set_unless_forced(tmp_path):
+    out = tmp_path / "hep"
+    args = ["data", "generate", "hep", "--out", str(out), "--events", "20", "--image-size", "8"]
+    assert CliRunner().invoke(main, args, catch_exceptions=False).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    one_error_line(CliRunner().invoke(main, args + ["--seed", "1"], catch_exceptions=False), "--force")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert CliRunner().invoke(main, args + ["--seed", "1", "--force"], catch_exceptions=False).exit_code == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} != before
+
+
+def test_data_generate_on_a_full_disk_is_one_line_and_keeps_the_old_set(tiny_fs):
+    fs = tiny_fs("full", 2048)
+    out = fs / "hep"
+    small = ["data", "generate", "hep", "--out", str(out), "--events", "20", "--image-size", "8"]
+    assert CliRunner().invoke(main, small, catch_exceptions=False).exit_code == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # 400 events of 64² do not fit in 2 MiB: HDF5 fails its writes, and its process crashes
+    result = CliRunner().invoke(main, ["data", "generate", "hep", "--out", str(out), "--events", "400",
+                                       "--image-size", "64", "--force"], catch_exceptions=False)
+    assert result.exit_code == 1, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "No space left on device" in errors[0], result.output
+    assert "Traceback" not in result.output
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # whole, and no temporary

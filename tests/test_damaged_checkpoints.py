@@ -11,11 +11,11 @@ import tensorflow as tf
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.jobfile import load_job
 from hpcdl.group_files import GroupRecorder
+from hpcdl.jobfile import load_job
 from hpcdl.storage import StorageReport
 from hpcdl.workloads import get_workload
-from tests.conftest import tiny_overrides, write_nersc
+from tests.conftest import BINARY, TRUNCATED, one_error_line, tiny_overrides, write_nersc
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,14 @@ def test_a_runs_evaluation_takes_the_runs_access_mode_and_leaves_others_alone(ch
         assert os.stat(mine).st_mode & 0o777 == 0o755  # a directory of the user's, not the run's
     finally:
         os.umask(old_umask)
+
+
+@pytest.mark.parametrize("content", [TRUNCATED, BINARY])
+def test_a_malformed_checkpoint_manifest_is_one_line(tmp_path, content):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "manifest.json").write_bytes(content)
+    (ckpt / "ckpt-10.index").write_bytes(b"")
+    for target in (ckpt, ckpt / "ckpt-10"):
+        result = CliRunner().invoke(main, ["evaluate", str(target)], catch_exceptions=False)
+        one_error_line(result, str(ckpt / "manifest.json"))

@@ -280,3 +280,15 @@ def test_a_group_that_cannot_start_fails_with_one_line(run):
 
     life = GroupLife(run, 0, 2, start)
     assert not life.poll() and life.state == State.FAILED and "could not start" in life.reason
+
+
+def test_the_applier_takes_a_garbled_group_state_for_not_finished(tmp_path):
+    from hpcdl.runs import RunDir
+    from hpcdl.lifecycle import groups_finished
+
+    run = RunDir(tmp_path)
+    for g, content in enumerate([b'{"state": "finished"}', b"\xff\xfe\x00binary", b"[1, 2]"]):
+        run.group_state_file(g).parent.mkdir(parents=True)
+        run.group_state_file(g).write_bytes(content)
+    assert groups_finished(run, 1)
+    assert not groups_finished(run, 2) and not groups_finished(run, 3)

@@ -3,10 +3,13 @@ import os
 import time
 
 import pytest
+from click.testing import CliRunner
 
-from hpcdl.jobfile import load_job
-from hpcdl.runs import RunError, create_run, find_run, list_runs, write_json_atomic
+from hpcdl.cli import main
 from hpcdl.files import append_jsonl, read_jsonl
+from hpcdl.jobfile import load_job
+from hpcdl.runs import RunError, RunIdTaken, create_run, find_run, list_runs, write_json_atomic
+from tests.conftest import BINARY, TRUNCATED, one_error_line
 
 
 def test_run_appears_only_when_complete(tmp_path):
@@ -112,3 +115,30 @@ def test_atomic_json_leaves_no_temporary(tmp_path):
     write_json_atomic(tmp_path / "s.json", {"a": 2})
     assert json.loads((tmp_path / "s.json").read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
+
+
+READERS = [("status", "run.json"), ("status", "job.toml"), ("status", "scheduler/local.json"),
+           ("cancel", "run.json"), ("cancel", "scheduler/local.json"), ("evaluate", "run.json"),
+           ("evaluate", "job.toml"), ("logs", "run.json")]
+
+
+@pytest.mark.parametrize("command, name", READERS)
+@pytest.mark.parametrize("content", [TRUNCATED, BINARY, b""])
+def test_a_malformed_run_file_is_one_line_naming_it(local_run, command, name, content):
+    (local_run.root / name).write_bytes(content)
+    if command == "evaluate":  # it reads the run's files once there is a checkpoint
+        local_run.checkpoint_dir(0).mkdir(parents=True)
+        (local_run.checkpoint_dir(0) / "manifest.json").write_text(
+            json.dumps({"job": {}, "workload": "hep", "input_shape": [8, 8, 3]}))
+    result = CliRunner().invoke(main, [command, str(local_run.root)], catch_exceptions=False)
+    one_error_line(result, str(local_run.root / name))
+
+
+def test_create_run_refuses_an_existing_run_id(local_run):
+    job = local_run.load_job()
+    before = sorted(p.name for p in local_run.root.parent.iterdir())
+    with pytest.raises(RunIdTaken):
+        with create_run(job, "local", run_id=local_run.run_id):
+            pass
+    assert sorted(p.name for p in local_run.root.parent.iterdir()) == before  # no staging left behind
+    assert json.loads(local_run.info_file.read_text())["run_id"] == local_run.run_id

@@ -6,16 +6,21 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import time
 
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 
-from hpcdl.jobfile import load_job
+from hpcdl.cli import main
 from hpcdl.display import status_view
+from hpcdl.files import append_jsonl
+from hpcdl.jobfile import load_job
 from hpcdl.lifecycle import RestartTally
 from hpcdl.runs import RunDir, State, create_run, write_json_atomic
 from hpcdl.schedulers.slurm import parse_sacct
 from hpcdl.status import collect, group_state_of, run_state
+from tests.conftest import BINARY, one_error_line
 
 # The run's state for a pair of group states, the most telling first (run_state's docstring).
 PRECEDENCE = [
@@ -197,3 +202,60 @@ def test_a_foreground_submit_whose_run_ended_partial_exits_1_saying_why(tmp_path
     record_group(run, 1, "finished", 100, {"state": "finished"})
     _start_and_report(job, lambda **_: dict(ended), detach=False, as_json=True)  # no exit: finished
     assert json.loads(capsys.readouterr().out)["state"] == "finished"
+
+
+def test_status_of_run_files_that_are_dev_zero(local_run):
+    """A file read whole that never ends (a symlink to /dev/zero) is refused, not read into memory."""
+    for path in (local_run.group_state_file(0), local_run.metrics_file(0)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        path.symlink_to("/dev/zero")
+    status = collect(local_run, backend_view={})
+    assert status["groups"][0].get("step") in (None, 0)
+    local_run.info_file.unlink()
+    local_run.info_file.symlink_to("/dev/zero")
+    result = CliRunner().invoke(main, ["status", str(local_run.root)], catch_exceptions=False)
+    one_error_line(result, "run.json")  # not a run: its run.json is no file
+
+
+def test_a_malformed_run_json_under_a_bare_status(local_run):
+    local_run.info_file.write_bytes(BINARY)
+    result = CliRunner().invoke(main, ["status", "--runs-dir", str(local_run.root.parent)], catch_exceptions=False)
+    assert "run.json" in one_error_line(result, str(local_run.info_file))
+
+
+def test_garbled_state_and_metrics_do_not_break_status(local_run):
+    """Files the ranks keep rewriting: a garbled one reads as missing, the next version will do."""
+    local_run.group_state_file(0).write_bytes(BINARY)
+    append_jsonl(local_run.metrics_file(0), {"step": 5, "loss": 0.5, "time": time.time()})
+    with open(local_run.metrics_file(0), "ab") as f:
+        f.write(BINARY + b"\n[1, 2]\n")
+    status = collect(local_run, backend_view={})
+    assert status["groups"][0]["step"] == 5 and status["groups"][0]["loss"] == 0.5
+
+
+@pytest.mark.parametrize("state, frozen", [("finished", True), ("cancelled", True), ("failed", True),
+                                           ("running", False)])
+def test_exchange_age_stops_at_the_end_of_a_group(local_run, state, frozen):
+    now = time.time()
+    append_jsonl(local_run.metrics_file(0), {"step": 10, "time": now - 100, "exchange_last_s": now - 130})
+    write_json_atomic(local_run.group_state_file(0), {"state": "finished" if state == "finished" else "running"})
+    view = {"groups": {"0": {"state": state}}}
+    first = collect(local_run, backend_view=view)["groups"][0]["exchange_age_s"]
+    time.sleep(1.1)
+    second = collect(local_run, backend_view=view)["groups"][0]["exchange_age_s"]
+    if frozen:
+        assert first == pytest.approx(30, abs=0.01) and second == pytest.approx(30, abs=0.01)
+    else:
+        assert first >= 130 and second >= first + 1
+
+
+def test_a_run_is_watched_and_cancelled_where_its_workload_is_not_installed(local_run):
+    """status and cancel read the run's files only; evaluate, which runs the model, says what is missing."""
+    local_run.job_file.write_text(local_run.job_file.read_text().replace('workload = "hep"', 'workload = "gone"'))
+    for command in ("status", "cancel"):
+        result = CliRunner().invoke(main, [command, str(local_run.root)], catch_exceptions=False)
+        assert result.exit_code == 0, (command, result.output)
+    assert "gone" in CliRunner().invoke(main, ["status", str(local_run.root), "--json"]).output
+    one_error_line(CliRunner().invoke(main, ["evaluate", str(local_run.root)], catch_exceptions=False),
+                   "unknown workload 'gone'")

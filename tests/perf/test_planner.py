@@ -13,6 +13,9 @@ import time
 import numpy as np
 import pytest
 
+from click.testing import CliRunner
+
+from hpcdl.cli import main
 from hpcdl.perf.planner import (
     PAPER_HEP_SUSTAINED_FLOPS,
     GroupPlan,
@@ -30,6 +33,7 @@ from hpcdl.perf.planner import (
     tree_collective_seconds,
     tree_rounds,
 )
+from tests.conftest import one_error_line
 
 INF_BW = 1e30  # "free" transfers: n / INF_BW is 0 to double precision for any sane n
 
@@ -406,3 +410,12 @@ def test_paper_check_text():
 
     text = paper_check_text(paper_check())
     assert "11.41" in text and "±15 %" in text and "9594 nodes in 9 groups" in text
+
+
+@pytest.mark.parametrize("content", [b'{"node_flops": 1e12'])
+def test_malformed_planner_inputs_are_one_line(tmp_path, content):
+    inputs = tmp_path / "inputs.json"
+    inputs.write_bytes(content)
+    result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "8", "--inputs", str(inputs)],
+                                catch_exceptions=False)
+    assert str(inputs) in one_error_line(result, str(inputs))
