@@ -42,8 +42,11 @@ def interrupt_a_foreground_submit(hep_files, tmp_path, interrupt, *options: str)
     the run's directory."""
     runs = tmp_path / "runs"
     overrides = tiny_overrides(hep_files, runs, steps=100000) + ["train.checkpoint_every=1000"]
+    # A terminal's foreground process takes SIGINT; a suite started in the background of a shell
+    # without job control inherits it ignored, and so would this submit.
     proc = subprocess.Popen([HPCDL, "submit", "hep", *options, *set_args(overrides)], cwd=tmp_path,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics = lambda: [p for p in runs.glob("*/groups/0/metrics.jsonl")]  # noqa: E731
         wait_for(lambda: metrics() and len(read_jsonl(metrics()[0])) >= 2, 240, "training")
