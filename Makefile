@@ -16,7 +16,7 @@ FILTERS ?= 32
 MPI ?= 0
 INSTALLED := $(VENV)/.installed$(if $(filter 1,$(MPI)),-mpi)
 
-.PHONY: install run test test-fast bench docs clean
+.PHONY: install run test test-fast bench docs clean resolve-wheels
 
 install: $(INSTALLED)
 
@@ -48,6 +48,11 @@ bench: install
 docs: install
 	$(VENV)/bin/python -m hpcdl.reference
 	$(VENV)/bin/python -m docs.figures
+
+# Whether every dependency has a wheel for another Python (e.g. PYVER=3.13) without installing it.
+PYVER ?= 3.13
+resolve-wheels:
+	PY=$(PYTHON) bash scripts/resolve-wheels.sh $(PYVER)
 
 clean:
 	rm -rf $(VENV) runs data .pytest_cache

@@ -16,10 +16,12 @@ from rich.console import Console
 
 from hpcdl import __version__
 from hpcdl.config import RUNS_DIR, Backend, choices
+from hpcdl.engine.tuning import quiet_tensorflow_import
 from hpcdl.workloads import names as workload_names
 
 # TensorFlow's C++ INFO lines (oneDNN notices, CPU features) are not for a CLI user's screen.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+quiet_tensorflow_import()
 
 # Piped output (logs, CI) is not wrapped at 80 columns: tables stay readable there too.
 console = Console(width=None if sys.stdout.isatty() else 160)

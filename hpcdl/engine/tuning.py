@@ -45,7 +45,11 @@ bench/results/.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -503,3 +507,58 @@ def loaded_openmp_runtimes() -> list[str]:
     except OSError:
         pass
     return sorted(names)
+
+
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `tensorflow` once and loads it with file descriptor 2 on /dev/null: from 2.20 on
+    TensorFlow logs through absl before absl is initialised, to stderr, whatever
+    TF_CPP_MIN_LOG_LEVEL says (tensorflow/tensorflow#100442), and a CLI's one-line error must
+    stay one line. Only the import is silenced; an import that fails still raises."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "tensorflow" or getattr(self, "_finding", False):
+            return None
+        self._finding = True  # the search below passes through this finder again
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            self._finding = False
+        if spec is None:
+            return None
+        self._loader = spec.loader
+        spec.loader = self
+        return spec
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        with stderr_silenced():
+            module.__spec__.loader = self._loader
+            self._loader.exec_module(module)
+
+
+@contextlib.contextmanager
+def stderr_silenced():
+    """File descriptor 2 on /dev/null for the block: what TensorFlow's C++ side prints as its
+    libraries load (also when they are loaded through ctypes)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)
+
+
+def quiet_tensorflow_import() -> None:
+    """Silence what TensorFlow prints while it loads, if it has not loaded yet and
+    TF_CPP_MIN_LOG_LEVEL asks for less than INFO (the CLI's default)."""
+    if "tensorflow" in sys.modules or os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0") in ("", "0"):
+        return
+    if not any(isinstance(f, _QuietTensorFlowImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _QuietTensorFlowImport())

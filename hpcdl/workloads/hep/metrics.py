@@ -95,7 +95,7 @@ def _as_bool(name: str, values, n: Optional[int]) -> np.ndarray:
     bad = ~(is_one | (arr == 0))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{name} must hold only 0 and 1 (or bool): found {arr[i]!r} at index {i}")
+        raise ValueError(f"{name} must hold only 0 and 1 (or bool): found {arr[i].item()!r} at index {i}")
     return is_one
 
 

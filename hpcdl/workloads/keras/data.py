@@ -113,7 +113,7 @@ def check_classes(path: Path, y: np.ndarray, classes: int, start: int = 0) -> No
         (y < 0) | (y >= classes))
     if np.any(bad):
         i = int(np.argmax(bad))
-        raise DataError.at(path, f"label {y[i]!r} of example {start + i} is not a class 0 .. {classes - 1} "
+        raise DataError.at(path, f"label {y[i].item()!r} of example {start + i} is not a class 0 .. {classes - 1} "
                                  f"(data.classes = {classes})")
 
 
