@@ -165,11 +165,11 @@ class Step:
 
         configure_tensorflow(self.plan)
         self.tf = tf
-        hvd = None
+        comm = None
         if args.horovod:
-            import horovod.tensorflow as hvd
+            from hpcdl.engine.collective import join_group
 
-            hvd.init()  # one rank: its allreduce is a copy, but the ops and their cost are the engine's
+            comm = join_group("gloo")  # one rank: its allreduce is a copy, but the ops and their cost are the engine's
         self.model = HepCNN(HepModelConfig(filters=args.filters), (args.image, args.image, 3), seed=0,
                             compute_dtype=compute_dtype(args.precision))
         model = self.model
@@ -177,7 +177,7 @@ class Step:
         optimizer = make_optimizer("adam", variables, 1e-3)
 
         self.fn = make_train_step(lambda batch: WORKLOAD.loss(model, batch, training=True),
-                                  variables, optimizer, hvd)
+                                  variables, optimizer, comm)
         rng = np.random.default_rng(0)
         self.batch = (rng.random((args.batch, args.image, args.image, 3), dtype=np.float32),
                       (np.arange(args.batch) % 2).astype(np.int32), np.ones(args.batch, np.float32))

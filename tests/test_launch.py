@@ -99,7 +99,7 @@ def test_a_rank_alone_in_its_mpi_world_is_refused():
         r.check_mpi_world(0, 1)
 
 
-def test_mpi_launcher_commands():
+def test_mpi_launcher_commands(tmp_path):
     argv = ["python", "-m", "hpcdl.worker", "RUN", "--mpi"]
     assert MpiLauncher("/usr/bin/mpirun", open_mpi=True).command(4, argv) == [
         "/usr/bin/mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none", *argv]
@@ -107,7 +107,7 @@ def test_mpi_launcher_commands():
         "/opt/mpich/bin/mpiexec", "-n", "2", *argv]
     assert is_open_mpi("mpirun (Open MPI) 4.1.4\n\nReport bugs to http://www.open-mpi.org/community/help/\n")
     assert not is_open_mpi("HYDRA build details:\n    Version:                                 4.1.2\n")
-    assert find_mpi_launcher(which=lambda name: None) is None
+    assert find_mpi_launcher(which=lambda name: None, venv_bin=tmp_path) is None
 
 
 def test_open_mpi_root_needs_both_variables():

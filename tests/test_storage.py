@@ -206,8 +206,8 @@ def test_checkpoint_with_an_injected_failure_after_partial_files(tmp_path):
 TRAIN_SCRIPT = r"""
 import json, os, sys
 from pathlib import Path
-import horovod.tensorflow as hvd
 import tensorflow as tf
+from hpcdl.engine.collective import join_group
 from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
 from hpcdl.group_files import GroupRecorder
@@ -236,13 +236,13 @@ def save(self, checkpoint_number=None, **kw):
         fill(out)  # and from now on, the group's file system is full
     return path
 tf.train.CheckpointManager.save = save
-hvd.init()
+comm = join_group("gloo")
 job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
 recorder = GroupRecorder(job, stats, StorageReport(out / REPORT_FILE), checkpoints=ckdir, metrics=out / "metrics.jsonl",
                          state=out / "state.json", tensorboard=out / "tb")
-result = train_group(job, workload, hvd, ckdir, stats, group=0, groups=1, root=GroupRoot(recorder))
+result = train_group(job, workload, comm, ckdir, stats, group=0, groups=1, root=GroupRoot(recorder))
 print("STEPS", result.steps_run)
 """
 

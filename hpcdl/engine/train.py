@@ -1,9 +1,10 @@
 """The training loop of one synchronous group. It knows nothing of SLURM, of run directories or of
 how it was started.
 
-Inside a group every rank computes gradients on its own shard; Horovod averages them (allreduce)
-and every rank applies the same update, so the ranks' weights stay identical -- checked at the
-end, to the bit, whichever controller (Gloo or MPI) formed the group. Across groups, an
+Inside a group every rank computes gradients on its own shard; the group's `Collective`
+(hpcdl.engine.collective: Horovod over Gloo or MPI, or mpi4py) averages them (allreduce) and every
+rank applies the same update, so the ranks' weights stay identical -- checked at the end, to the
+bit, whichever formed the group. Across groups, an
 optional `GroupSync` (the asynchronous exchange) lets the group's root publish its averaged
 gradient and adopt newer master weights; the adoption is decided by the root and broadcast, so
 all ranks of the group switch weights at the same step.
@@ -26,6 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from hpcdl.config import Job
+from hpcdl.engine.collective import Collective
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
 from hpcdl.engine.tuning import precision_policy
@@ -215,49 +217,47 @@ class _RootDuties:
         self.recorder.validation(step, self.validation)
 
 
-def _adopt_or_stop(hvd, g: _GroupModel, sync: GroupSync | None, step: int, grads,
+def _adopt_or_stop(comm: Collective, g: _GroupModel, sync: GroupSync | None, step: int, grads,
                    stop_requested: Callable[[], bool] | None) -> tuple[bool, bool]:
     """Collective: whether the group adopts the newer master weights rank 0's exchange returned,
     and whether it stops; on adoption, rank 0's weights are broadcast."""
     adopted = sync.after_step(step, lambda: g.values(grads), g.values) if sync is not None else None
-    adopt, stop = _agree(hvd, adopted is not None, bool(stop_requested and stop_requested()))
+    adopt, stop = _agree(comm, adopted is not None, bool(stop_requested and stop_requested()))
     if adopt:
-        if hvd.rank() == 0:
+        if comm.rank() == 0:
             g.assign(adopted)
-        hvd.broadcast_variables(g.variables, root_rank=0)
+        comm.broadcast_variables(g.variables, root_rank=0)
     return adopt, stop
 
 
-def _agree(hvd, adopted: bool, stop: bool) -> tuple[bool, bool]:
+def _agree(comm: Collective, adopted: bool, stop: bool) -> tuple[bool, bool]:
     """One small collective decides, for all ranks at the same step, whether to adopt the master
     weights the root read (only the root touches the shared directory) and whether to stop
     (signals reach ranks at different moments)."""
-    flags = hvd.allreduce(tf.constant([int(adopted), int(stop)], tf.int32), op=hvd.Max, name="group_flags")
-    adopt, stop = (bool(v) for v in flags.numpy())
+    adopt, stop = (bool(v) for v in comm.agree([int(adopted), int(stop)], "max"))
     return adopt, stop
 
 
-def _start_weights(hvd, g: _GroupModel, sync: GroupSync | None, group: int) -> None:
+def _start_weights(comm: Collective, g: _GroupModel, sync: GroupSync | None, group: int) -> None:
     """Fresh or restarted, a group starts from the newest master weights when there are any, else
     from its checkpoint or its seed: rank 0's, broadcast (a collective)."""
     if sync is not None:
         g.assign(sync.initial_weights(g.values()))
-    hvd.broadcast_variables(g.variables, root_rank=0)
-    if hvd.rank() == 0 and g.restored:
+    comm.broadcast_variables(g.variables, root_rank=0)
+    if comm.rank() == 0 and g.restored:
         version = sync.stats().get("exchange_version") if sync is not None else None
         print(f"hpcdl group {group}: resumed from checkpoint {g.resumed_from}" + (
             "" if version is None else f", master version {version}" if version >= 0
             else ", no master version yet (its own weights)"), flush=True)
 
 
-def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any], *,
+def train_group(job: Job, workload, comm: Collective, checkpoints: Path, stats: dict[str, Any], *,
                 group: int, groups: int, root: GroupRoot | None = None, exchange: bool = False,
                 stop_requested: Callable[[], bool] | None = None, report: dict[str, Any] | None = None,
                 pace: Callable[[int, float], None] | None = None, step_times: StepLog | None = None) -> TrainResult:
     """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
 
-    `hvd` is an initialised `horovod.tensorflow` module, passed in so the caller decides how the
-    group was formed; `root` is given to rank 0 only. `exchange` must be the same on every rank of
+    `comm` is the group's `Collective`, passed in so the caller decides how the group was formed; `root` is given to rank 0 only. `exchange` must be the same on every rank of
     the group (it adds collective steps). `stop_requested` (a signal flag, e.g. SLURM's warning
     before the time limit) is agreed on by all ranks at each step: the group checkpoints and
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
@@ -270,18 +270,18 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
 
     The loop below is the order of the group's collectives, identical on every rank.
     """
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = comm.rank(), comm.size()
     if rank == 0 and (root is None or (exchange and root.sync is None)):
         raise ValueError("rank 0 of a group needs its GroupRoot, with a GroupSync for an exchange")
     sync = root.sync if rank == 0 and exchange else None
     g = _GroupModel(job, workload, checkpoints)
-    _start_weights(hvd, g, sync, group)
+    _start_weights(comm, g, sync, group)
     duties = None
     if rank == 0:
         root.recorder.manifest(g.input_shape, [name for name, _ in g.model.named_variables()])
         duties = _RootDuties(job, root, g, group=group, ranks=size, exchange=exchange, report=report or {})
     batches = workload.train_batches(job, stats, group * size + rank, groups * size, seed=job.train.seed + g.resumed_from)
-    train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, hvd)
+    train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, comm)
     coordinate = exchange or stop_requested is not None
     own_times = step_times
     stopped = False
@@ -296,7 +296,7 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
                 own = float(own_seconds)
                 own_times.record(current, own if paced is None else max(own, paced))
             g.step.assign(current)
-            adopt, stopped = (_adopt_or_stop(hvd, g, sync, current, grads, stop_requested) if coordinate
+            adopt, stopped = (_adopt_or_stop(comm, g, sync, current, grads, stop_requested) if coordinate
                               else (False, False))
             if duties is not None:
                 duties.after_step(current, loss, g.model, adopted=adopt, stopping=stopped)
@@ -309,21 +309,21 @@ def train_group(job: Job, workload, hvd, checkpoints: Path, stats: dict[str, Any
         # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
         batches.close()
 
-    return _finish(hvd, g, duties, report, stopped, job.train.final_save_retry_s, sync)
+    return _finish(comm, g, duties, report, stopped, job.train.final_save_retry_s, sync)
 
 
-def _finish(hvd, g: _GroupModel, duties: _RootDuties | None, report: dict[str, Any] | None, stopped: bool,
+def _finish(comm: Collective, g: _GroupModel, duties: _RootDuties | None, report: dict[str, Any] | None, stopped: bool,
             retry_s: float, sync: GroupSync | None) -> TrainResult:
     """The group's end, in collectives every rank takes: whether the replicas are identical, then
     the rounds that agree the end was saved."""
     # data parallelism's invariant, asked of the ranks themselves (an 8-byte digest each)
-    digests = hvd.allgather(tf.constant([weights_digest(g.variables)], tf.int64), name="replica_digests").numpy()
+    digests = comm.gather(weights_digest(g.variables))
     last = duties.last if duties is not None else {}
     if duties is not None:
         duties.recorder.close()
     final = {**(last or report or {}), "step": int(g.step.numpy()),
              "replicas_identical": bool((digests == digests[0]).all())}
-    _save_the_end(hvd, duties.recorder if duties is not None else None, g.manager, final, stopped, retry_s, sync)
+    _save_the_end(comm, duties.recorder if duties is not None else None, g.manager, final, stopped, retry_s, sync)
     return TrainResult(model=g.model, last_metrics=last, steps_run=int(g.step.numpy()) - g.resumed_from,
                        stopped=stopped)
 
@@ -337,7 +337,7 @@ def _non_finite_reason(step: int, finite: np.ndarray, names: list[str], resumed_
             + ("" if step > resumed_from + 1 else "; it happened at the first step after the start"))
 
 
-def _save_the_end(hvd, recorder: Recorder | None, manager, final: dict[str, Any], stopped: bool,
+def _save_the_end(comm: Collective, recorder: Recorder | None, manager, final: dict[str, Any], stopped: bool,
                   retry_s: float, sync: GroupSync | None) -> None:
     """No group says it ended before its last checkpoint, its held updates and its final state
     are written: on a full disk rank 0 tries again with back-off for up to ``retry_s``, then every
@@ -354,7 +354,7 @@ def _save_the_end(hvd, recorder: Recorder | None, manager, final: dict[str, Any]
                 final.update(sync.stats())
             written = flushed and recorder.has_checkpoint(final["step"]) and recorder.end(final, stopped=stopped)
             verdict = 1 if written else 0 if time.monotonic() < deadline else -1
-        verdict = int(hvd.allreduce(tf.constant([verdict], tf.int32), op=hvd.Min, name="end_saved").numpy()[0])
+        verdict = comm.agree([verdict], "min")[0]
         if verdict == 1:
             return
         if verdict < 0:

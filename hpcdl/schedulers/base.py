@@ -8,6 +8,7 @@ state; `cancel` is safe to repeat.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -55,22 +56,28 @@ class DryRun:
 
 
 def controller_facts(job: Job | None) -> dict[str, Any]:
-    """What `run.controller = "mpi"` needs of this installation, read before rendering: whether
-    Horovod was built with MPI (the ranks run this installation's Python, on either backend)."""
-    if job is None or job.run.controller != "mpi":
+    """What the controller needs of this installation, read before rendering (the ranks run this
+    installation's Python, on either backend): for "mpi" whether Horovod was built with MPI, for
+    "mpi4py" what keeps mpi4py from loading an MPI library, if anything."""
+    if job is None or not job.run.mpi_launched:
         return {}
-    from hpcdl.launch import horovod_has_mpi
+    from hpcdl.launch import horovod_built, mpi4py_problem
 
-    return {"horovod_mpi": horovod_has_mpi()}
+    if job.run.controller == "mpi":
+        return {"horovod_mpi": horovod_built("mpi")}
+    return {"mpi4py_problem": mpi4py_problem(sys.executable)}
 
 
 def check_controller(request: SubmitRequest) -> None:
-    """Refuse `run.controller = "mpi"` when the installed Horovod has no MPI (a fact fetched
-    beforehand by `controller_facts`); every rank would fail at hvd.init() otherwise."""
+    """Refuse a controller this installation lacks (facts fetched beforehand by
+    `controller_facts`): every rank would fail as it starts otherwise."""
     if request.job.run.controller == "mpi" and request.cluster.get("horovod_mpi") is False:
         raise JobError('run.controller = "mpi" needs Horovod built with MPI, and the installed one has '
                        "Gloo only: reinstall with `make install MPI=1` (README, Installation; "
                        "`hpcdl doctor` shows the build)")
+    problem = request.cluster.get("mpi4py_problem")
+    if request.job.run.controller == "mpi4py" and problem:
+        raise JobError(f'run.controller = "mpi4py" cannot load MPI here: {problem} (`hpcdl doctor` shows the collectives)')
 
 
 class Scheduler(ABC):

@@ -59,7 +59,7 @@ def local_plan(job: Job, run: RunDir, python: str, cluster: dict[str, Any]) -> l
     if job.exchange.active(job.run.groups):
         plan += [(f"applier {k}", applier_command(python, run, k)) for k in range(job.exchange.shard_count)]
     for g in range(job.run.groups):
-        if job.run.controller == "mpi":
+        if job.run.mpi_launched:
             launcher = MpiLauncher(cluster.get("mpi_launcher") or "mpirun", cluster.get("open_mpi", True))
             env = local_group(g, 1)[0].to_mpi_env()
             plan.append((f"group {g}", ["env", *(f"{k}={v}" for k, v in sorted(env.items())),
@@ -96,7 +96,7 @@ class LocalLaunch:
 
     def group(self, group: int) -> Popened:
         commands = self._commands(f"group {group}")
-        if self.job.run.controller == "mpi":
+        if self.job.run.mpi_launched:
             # The ranks under one mpirun, in a session of its own: a Ctrl-C reaches the supervisor,
             # which asks mpirun to pass SIGUSR1 on (mpirun kills its ranks a few seconds after a
             # SIGINT or SIGTERM, before they can checkpoint). Each rank writes its own log.
@@ -123,9 +123,9 @@ class Supervisor:
         self.job = run.load_job()
         self.stopping = False
         if plan is None:
-            if self.job.run.controller == "mpi" and find_mpi_launcher() is None:
-                raise RunError('run.controller = "mpi": no mpirun or mpiexec on PATH')
-            plan = local_plan(self.job, run, python, mpi_facts() if self.job.run.controller == "mpi" else {})
+            if self.job.run.mpi_launched and find_mpi_launcher() is None:
+                raise RunError(f'run.controller = "{self.job.run.controller}": no mpirun or mpiexec on PATH')
+            plan = local_plan(self.job, run, python, mpi_facts() if self.job.run.mpi_launched else {})
         # A full disk or quota must not end the run: the ranks and the applier ride it out, and
         # so does the supervisor (its report is reserved at submit, rewritten in place).
         self.access = run.access(self.job)
@@ -238,14 +238,15 @@ def mpi_facts() -> dict[str, Any]:
 
 
 def check_local_mpi(job: Job, facts: dict[str, Any]) -> None:
-    """`run.controller = "mpi"` here needs a launcher, and Open MPI's refuses root unless told."""
-    if job.run.controller != "mpi" or "mpi_launcher" not in facts:
+    """An MPI-launched controller here needs a launcher, and Open MPI's refuses root unless told."""
+    if not job.run.mpi_launched or "mpi_launcher" not in facts:
         return
+    said = f'run.controller = "{job.run.controller}"'
     if not facts["mpi_launcher"]:
-        raise JobError('run.controller = "mpi" on the local backend needs mpirun or mpiexec on PATH '
+        raise JobError(f"{said} on the local backend needs mpirun or mpiexec on PATH "
                        "(apt-get install openmpi-bin, or load your site's MPI module)")
     if facts.get("open_mpi") and facts.get("root") and not facts.get("open_mpi_root_allowed"):
-        raise JobError('run.controller = "mpi": Open MPI\'s mpirun refuses to run as root; run as a user, '
+        raise JobError(f"{said}: Open MPI's mpirun refuses to run as root; run as a user, "
                        "or export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 if you mean it")
 
 
@@ -254,7 +255,7 @@ class LocalScheduler(Scheduler):
 
     def cluster_facts(self, job: Job | None = None) -> dict[str, Any]:
         facts = {**machine_facts(), **controller_facts(job)}
-        if job is not None and job.run.controller == "mpi":
+        if job is not None and job.run.mpi_launched:
             facts.update(mpi_facts())
         return facts
 

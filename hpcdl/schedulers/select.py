@@ -1,12 +1,15 @@
 """Which scheduler: the one `run.backend = "auto"` picks here, the one a run was submitted to,
-and the newest run that still has something queued or running (a bare `hpcdl cancel`)."""
+and the newest run that still has something queued or running (a bare `hpcdl cancel`); and the
+collective `run.controller = "auto"` picks."""
 
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 from hpcdl.config import RUNS_DIR
+from hpcdl.errors import JobError
 from hpcdl.runs import RunDir, RunError, find_run, list_runs
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import Scheduler, SchedulerError
@@ -23,6 +26,20 @@ def choose_backend() -> tuple[str, str]:
     if answers:
         return "slurm", "run.backend = auto: sbatch is on PATH and the SLURM controller answers"
     return "local", f"run.backend = auto: sbatch is on PATH but the SLURM controller does not answer ({detail})"
+
+
+def choose_controller(python: str = sys.executable) -> tuple[str, str]:
+    """run.controller = "auto": (controller, why). Horovod over Gloo where it loads (it needs no
+    MPI launcher), else mpi4py where it loads an MPI; neither: a JobError saying what to install."""
+    from hpcdl.launch import horovod_built, mpi4py_problem
+
+    if horovod_built("gloo"):
+        return "gloo", "run.controller = auto: Horovod with Gloo loads here"
+    problem = mpi4py_problem(python)
+    if not problem:
+        return "mpi4py", "run.controller = auto: Horovod does not load here, mpi4py does"
+    raise JobError(f"run.controller = auto: neither Horovod with Gloo nor mpi4py loads here (mpi4py: {problem}); "
+                   "reinstall with `make install` (`hpcdl doctor` shows what is missing)")
 
 
 def scheduler_of(run: RunDir) -> Scheduler:

@@ -172,7 +172,7 @@ def srun_command(job: Job, python: str, run: RunDir) -> list[str]:
     on the batch host does."""
     s = job.slurm
     options = ["--kill-on-bad-exit=1"]
-    if job.run.controller == "mpi":
+    if job.run.mpi_launched:
         options.append(f"--mpi={s.mpi}")
     options.append(f"--ntasks-per-node={job.run.ranks_per_node}")
     if s.cpus_per_task:
@@ -319,7 +319,7 @@ class SlurmScheduler(Scheduler):
         """Read before rendering; an unreachable controller leaves the facts empty. For
         run.controller = "mpi" also srun's MPI plugins and whether Horovod has MPI."""
         facts = controller_facts(job)
-        if job is not None and job.run.controller == "mpi":
+        if job is not None and job.run.mpi_launched:
             try:
                 proc = _run(["srun", "--mpi=list"], timeout=15)
                 if proc.returncode == 0:
@@ -345,7 +345,7 @@ class SlurmScheduler(Scheduler):
         job = request.job
         check_signal_time(job)
         check_controller(request)
-        if job.run.controller == "mpi":
+        if job.run.mpi_launched:
             check_srun_mpi(job, request.cluster)
         limit = request.cluster.get("max_array_size")
         if limit is not None and job.run.groups > limit:

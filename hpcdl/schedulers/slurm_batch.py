@@ -45,7 +45,7 @@ class SrunLaunch:
     def __call__(self) -> Popened:
         env = _environ(self.job)
         stop_rendezvous = None
-        if self.job.run.controller != "mpi":
+        if not self.job.run.mpi_launched:
             s = self.job.slurm
             plan = slurm_group_plan(expand_nodelist(os.environ["SLURM_JOB_NODELIST"]), self.job.run.ranks_per_node,
                                     self.group)

@@ -11,14 +11,15 @@ from hpcdl.launch import local_group, start_rendezvous, worker_environ
 from tests.conftest import REPO, tiny_overrides
 
 
-def test_two_ranks_stay_bit_identical_on_different_data(hep_files, tmp_path):
-    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=15)
+def train_gloo_pair(out, overrides: list[str]) -> None:
+    """Two ranks of tests/helpers/sync_rank.py in one Horovod Gloo group, their files in `out`."""
+    out.mkdir(parents=True, exist_ok=True)
     envs = local_group(group=0, ranks=2)
     server, port = start_rendezvous(envs)
     try:
         procs = [
             subprocess.Popen(
-                [sys.executable, str(REPO / "tests/helpers/sync_rank.py"), str(tmp_path), json.dumps(overrides)],
+                [sys.executable, str(REPO / "tests/helpers/sync_rank.py"), str(out), json.dumps(overrides)],
                 env=worker_environ(os.environ, {**e.to_horovod_env("127.0.0.1", port, iface="lo"),
                                                 "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}),
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -29,6 +30,11 @@ def test_two_ranks_stay_bit_identical_on_different_data(hep_files, tmp_path):
     finally:
         server.stop()
     assert [p.returncode for p in procs] == [0, 0], outputs
+
+
+def test_two_ranks_stay_bit_identical_on_different_data(hep_files, tmp_path):
+    overrides = tiny_overrides(hep_files, tmp_path / "runs", steps=15)
+    train_gloo_pair(tmp_path, overrides)
     r0, r1 = np.load(tmp_path / "rank0.npz"), np.load(tmp_path / "rank1.npz")
     # Different shards: the ranks saw different images ...
     assert not np.array_equal(r0["first_x"], r1["first_x"])

@@ -3,12 +3,13 @@ GroupSync that adopts "master weights" equal to the group's own every 2 steps. I
 the inner optimizer's slots, both runs end on the same weights to the bit."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
-import horovod.tensorflow as hvd
 import numpy as np
 
+from hpcdl.engine.collective import join_group
 from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
 from hpcdl.group_files import GroupRecorder
@@ -37,7 +38,8 @@ class EchoSync:
 
 
 out, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])
-hvd.init()
+# the collective under test: Horovod's by default (Gloo or MPI, as launched), or mpi4py's
+comm = join_group(os.environ.get("HPCDL_TEST_CONTROLLER", "gloo"))
 job = load_job("hep", overrides)
 workload = get_workload("hep")
 stats = workload.compute_stats(job)
@@ -46,9 +48,9 @@ for name, sync in (("plain", None), ("adopting", EchoSync())):
     d = out / name
     recorder = GroupRecorder(job, stats, StorageReport(d / "storage.json"), checkpoints=d / "ckpt",
                              metrics=d / "metrics.jsonl", state=d / "state.json", tensorboard=d / "tb")
-    result = train_group(job, workload, hvd, d / "ckpt", stats, group=0, groups=1,
+    result = train_group(job, workload, comm, d / "ckpt", stats, group=0, groups=1,
                          root=GroupRoot(recorder, sync), exchange=sync is not None)
     finals[name] = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / "finals.npz", **{f"{k}/{n}": v for k, w in finals.items() for n, v in w.items()})
 print(json.dumps({"adoptions": sync.adoptions}))
-hvd.shutdown()
+comm.shutdown()

@@ -147,3 +147,40 @@ def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
     said = cancel_run(None, tmp_path / "runs")
     assert said.startswith("nothing to cancel") and "could not tell" in said and "hep-20260103" in said
     assert calls == ["squeue"]
+
+
+@pytest.mark.parametrize("horovod_gloo, mpi4py_problem, chosen", [
+    (True, "", "gloo"),  # Horovod needs no MPI launcher: it goes first
+    (True, "no MPI library", "gloo"),
+    (False, "", "mpi4py"),  # an installation without Horovod still trains
+])
+def test_auto_controller_is_the_collective_this_installation_has(monkeypatch, horovod_gloo, mpi4py_problem, chosen):
+    from hpcdl import launch
+    from hpcdl.schedulers.select import choose_controller
+
+    monkeypatch.setattr(launch, "horovod_built", lambda feature: horovod_gloo and feature == "gloo")
+    monkeypatch.setattr(launch, "mpi4py_problem", lambda python: mpi4py_problem)
+    controller, why = choose_controller()
+    assert controller == chosen and why.startswith("run.controller = auto")
+
+
+def test_auto_controller_with_neither_collective_is_refused_with_what_to_do(monkeypatch):
+    from hpcdl import launch
+    from hpcdl.schedulers.select import choose_controller
+
+    monkeypatch.setattr(launch, "horovod_built", lambda feature: False)
+    monkeypatch.setattr(launch, "mpi4py_problem", lambda python: "RuntimeError: cannot load MPI library")
+    with pytest.raises(JobError, match=r"neither Horovod with Gloo nor mpi4py loads here \(mpi4py: RuntimeError: "
+                                       r"cannot load MPI library\); reinstall with `make install`"):
+        choose_controller()
+
+
+def test_the_installed_stack_gives_auto_its_default_and_job_toml_records_it(tmp_path):
+    """Here Horovod is built with Gloo: a submit's job.toml says "gloo", not "auto"."""
+    from hpcdl.runs import RunDir
+    from hpcdl.submit import prepare_launch
+
+    job = load_job("hep", ["run.backend=local", "run.check_data=false"])
+    prepared = prepare_launch(job, RunDir(tmp_path / "r"))
+    assert prepared.job.run.controller == "gloo"
+    assert "controller: gloo (run.controller = auto: Horovod with Gloo loads here)" in prepared.note

@@ -25,11 +25,17 @@ def status(run_dir, cwd):
     return json.loads(hpcdl("status", str(run_dir), "--json", cwd=cwd).stdout)
 
 
+# each MPI-launched controller, with the fixture that says whether this machine has it
+MPI_CONTROLLERS = [pytest.param("mpi", "mpi_horovod", id="horovod-mpi"), pytest.param("mpi4py", "mpi4py_mpi", id="mpi4py")]
+
+
 @pytest.mark.mpi
-def test_two_groups_under_mpirun_and_the_applier_train_to_the_end(mpi_horovod, hep_files, tmp_path):
+@pytest.mark.parametrize("controller, needs", MPI_CONTROLLERS)
+def test_two_groups_under_mpirun_and_the_applier_train_to_the_end(controller, needs, request, hep_files, tmp_path):
+    request.getfixturevalue(needs)
     runs = tmp_path / "runs"
     out = hpcdl("submit", "hep", "--nodes", "4", "--group-size", "2", "--json",
-                *set_args(tiny_overrides(hep_files, runs, steps=20) + MPI), cwd=tmp_path)
+                *set_args(tiny_overrides(hep_files, runs, steps=20) + [f'run.controller="{controller}"']), cwd=tmp_path)
     submitted = json.loads(out.stdout)
     run_dir = runs / submitted["run_id"]
     assert submitted["ok"] is True, [p.read_text()[-2000:] for p in run_dir.glob("groups/*/*.log")]
@@ -95,14 +101,17 @@ def test_open_mpi_as_root_without_its_consent_is_refused_with_one_line(mpi_horov
     assert "Open MPI's mpirun refuses to run as root" in one_error_line(proc.stderr)
 
 
-@pytest.mark.parametrize("facts, message", [
-    ({"horovod_mpi": False, "mpi_launcher": "/usr/bin/mpirun", "open_mpi": True}, "needs Horovod built with MPI"),
-    ({"mpi_launcher": None}, "needs mpirun or mpiexec on PATH"),
-    ({"mpi_launcher": "/usr/bin/mpirun", "open_mpi": True, "root": True, "open_mpi_root_allowed": False},
+@pytest.mark.parametrize("controller, facts, message", [
+    ("mpi", {"horovod_mpi": False, "mpi_launcher": "/usr/bin/mpirun", "open_mpi": True}, "needs Horovod built with MPI"),
+    ("mpi", {"mpi_launcher": None}, 'controller = "mpi" on the local backend needs mpirun or mpiexec on PATH'),
+    ("mpi4py", {"mpi_launcher": None}, 'controller = "mpi4py" on the local backend needs mpirun or mpiexec on PATH'),
+    ("mpi", {"mpi_launcher": "/usr/bin/mpirun", "open_mpi": True, "root": True, "open_mpi_root_allowed": False},
      "refuses to run as root"),
+    ("mpi4py", {"mpi4py_problem": "RuntimeError: cannot load MPI library", "mpi_launcher": "/usr/bin/mpirun"},
+     'controller = "mpi4py" cannot load MPI here: RuntimeError: cannot load MPI library'),
 ])
-def test_local_mpi_refusals(tmp_path, facts, message):
-    job = load_job("hep", ["run.backend=local", "run.nodes=2", *MPI])
+def test_local_mpi_refusals(tmp_path, controller, facts, message):
+    job = load_job("hep", ["run.backend=local", "run.nodes=2", f'run.controller="{controller}"'])
     with pytest.raises(JobError, match=message):
         LocalScheduler().submit_dryrun(SubmitRequest(job, RunDir(tmp_path / "r"), "python", facts))
 

@@ -1,5 +1,5 @@
-"""run.controller = "mpi" on the real local SLURM cluster: each group one MPI job started by
-`srun --mpi=pmix` over 2 virtual nodes, 2 groups and the applier."""
+"""run.controller = "mpi" (and "mpi4py") on the real local SLURM cluster: each group one MPI job
+started by `srun --mpi=pmix` over 2 virtual nodes, 2 groups and the applier."""
 
 import json
 from pathlib import Path
@@ -21,8 +21,11 @@ def element_logs(run_dir: Path, group: int) -> str:
     return "\n".join(p.read_text() for p in (run_dir / "groups" / str(group)).glob("slurm-*.out"))
 
 
-def test_mpi_groups_and_the_applier_train_to_the_end(slurm_cluster, mpi_horovod, hep_files, tmp_path):
-    sub = submit(hep_files, tmp_path, 40, *MPI)
+@pytest.mark.parametrize("controller, needs", [pytest.param("mpi", "mpi_horovod", id="horovod-mpi"),
+                                                pytest.param("mpi4py", "mpi4py_mpi", id="mpi4py")])
+def test_mpi_groups_and_the_applier_train_to_the_end(slurm_cluster, controller, needs, request, hep_files, tmp_path):
+    request.getfixturevalue(needs)
+    sub = submit(hep_files, tmp_path, 40, *MPI, f'run.controller="{controller}"')
     run_dir = Path(sub["run_dir"])
     done = wait_status(run_dir, tmp_path, lambda s: s["state"] == "finished" and all(
         g["backend"].get("state") == "completed" for g in s["groups"]), what="the end")
