@@ -40,6 +40,8 @@ SUITES = {
     "threads": "",  # one study of inter-op threads, run by hand with bench.probe (no module of its own)
     "climate": "climate_semisupervised",
     "keras": "keras_parity",
+    "collectives": "collectives",
+    "stacks": "stack_compare",
 }
 
 
@@ -92,13 +94,14 @@ def gf(x: float | None) -> str:
 class Probe:
     """bench.probe in its own process, answering JSON commands (its docstring has them)."""
 
-    def __init__(self, name: str, args: list[str], logdir: Path, timeout: float = 900.0):
+    def __init__(self, name: str, args: list[str], logdir: Path, timeout: float = 900.0, python: str = sys.executable):
+        """`python`: the interpreter (another venv's, to set two installations side by side)."""
         self.name = name
         self.timeout = timeout
         self.stderr = open(logdir / f"probe-{name}.log", "w")
         env = dict(os.environ)
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        self.proc = subprocess.Popen(module_argv("probe", *args), stdin=subprocess.PIPE, cwd=REPO,
+        self.proc = subprocess.Popen([python, *module_argv("probe", *args)[1:]], stdin=subprocess.PIPE, cwd=REPO,
                                      stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
         self.info = self._read()
 
