@@ -340,8 +340,6 @@ def horovod_built(feature: str) -> bool:
 def mpi4py_problem(python: str) -> str:
     """What keeps mpi4py from loading an MPI library in `python`, or "" when it loads: asked of a
     child, which loads the library without initialising MPI (no launcher needed)."""
-    import subprocess
-
     probe = "import mpi4py; mpi4py.rc.initialize = False; from mpi4py import MPI; MPI.Get_library_version()"
     try:
         proc = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
