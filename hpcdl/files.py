@@ -1,6 +1,6 @@
 """The one place hpcdl publishes a file or appends a line to one.
 
-* :func:`atomic_write` (and :func:`atomic_write_bytes`, :func:`atomic_path` for writers that need a
+* :func:`atomic_write` (and :func:`atomic_write_bytes` and :func:`atomic_write_json`, :func:`atomic_path` for writers that need a
   file name, such as h5py, and :func:`atomic_paths` for several files published together): the whole file under ``.tmp-<uuid>-<name>`` in the destination
   directory, flushed and fsynced, renamed onto the name, the directory fsynced. Readers see the
   old file or the new one, never a part; a failure (a full disk, a quota) removes the temporary
@@ -70,7 +70,25 @@ def atomic_write(path: Path, write: Callable[[BinaryIO], None], *, fsync: bool =
 
 def atomic_write_bytes(path: Path, data: bytes, *, fsync: bool = True,
                        access: Access | None = None) -> Path:
-    return atomic_write(path, lambda f: f.write(data), fsync=fsync, access=access)
+    """Publish ``data`` at ``path``. Without ``access`` the file takes the policy of the directory
+    it lands in (owner-only, or group-only in a group-only run's directory); a missing directory
+    is made with its nearest existing ancestor's policy."""
+    path = Path(path)
+    if not path.parent.is_dir():
+        Access.of_directory(_existing_ancestor(path.parent)).make_dir(path.parent)
+    return atomic_write(path, lambda f: f.write(data), fsync=fsync,
+                        access=access or Access.of_directory(path.parent))
+
+
+def atomic_write_json(path: Path, data: Any, *, fsync: bool = True) -> Path:
+    """:func:`atomic_write_bytes` of ``data`` as indented JSON with sorted keys."""
+    return atomic_write_bytes(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode(), fsync=fsync)
+
+
+def _existing_ancestor(path: Path) -> Path:
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 @contextmanager

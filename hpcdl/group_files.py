@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.config import Job
-from hpcdl.files import append_jsonl
+from hpcdl.files import append_jsonl, atomic_write_json
 from hpcdl.jobfile import job_from_dict
-from hpcdl.runs import MANIFEST, State, write_json_atomic
+from hpcdl.runs import MANIFEST, State
 from hpcdl.storage import StorageReport, attempt, recorded_checkpoint, save_checkpoint
 
 
@@ -31,7 +31,7 @@ class GroupRecorder:
     def manifest(self, input_shape, variable_names: list[str]) -> None:
         """How to rebuild the model from the checkpoints beside it (load_model)."""
         self.checkpoints.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.checkpoints / MANIFEST, {
+        atomic_write_json(self.checkpoints / MANIFEST, {
             "workload": self.job.workload,
             "job": self.job.to_dict(),
             "stats": self.stats,
@@ -63,7 +63,7 @@ class GroupRecorder:
         return self._state({**final, "state": State.STOPPED if stopped else State.FINISHED})
 
     def _state(self, doc: dict[str, Any]) -> bool:
-        return attempt(self.storage, "state", write_json_atomic, self.state_path, doc)
+        return attempt(self.storage, "state", atomic_write_json, self.state_path, doc)
 
     def checkpoint(self, manager, step: int) -> None:
         # On ENOSPC/EDQUOT: partial files removed, the previous checkpoint kept, reported.

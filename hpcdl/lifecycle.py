@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from hpcdl.files import read_regular
-from hpcdl.runs import RunDir, State, write_bytes_atomic, write_json_atomic
+from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
+from hpcdl.runs import RunDir, State
 
 # Exit codes of the processes a life watches, and of the life itself.
 EXIT_OK = 0
@@ -181,7 +181,7 @@ class RestartTally:
     def write(self, path: Path) -> None:
         """Publish the tally; a full disk keeps the previous one (the count is then too low)."""
         try:
-            write_json_atomic(path, asdict(self))
+            atomic_write_json(path, asdict(self))
         except OSError:
             pass
 
@@ -228,7 +228,7 @@ def begin_new_submission(run: RunDir, groups: int) -> None:
         except (OSError, ValueError):
             continue
         if isinstance(life, dict):
-            write_json_atomic(run.life_file(g), {**life, "state": State.PENDING, "reason": "", "pids": [],
+            atomic_write_json(run.life_file(g), {**life, "state": State.PENDING, "reason": "", "pids": [],
                                                  "updated": time.time()})
     run.cancel_mark.unlink(missing_ok=True)
 
@@ -440,7 +440,7 @@ class GroupLife:
     def publish(self) -> None:
         """The life's record for `hpcdl status`; a full disk keeps the previous one."""
         try:
-            write_json_atomic(self.run.life_file(self.group), {**self.record(), "updated": time.time()})
+            atomic_write_json(self.run.life_file(self.group), {**self.record(), "updated": time.time()})
         except OSError:
             pass
 
@@ -555,7 +555,7 @@ class ApplierLife:
         while self.poll(groups_active=False) and not stopping() and self.clock() < start + APPLIER_DRAIN_S:
             if not marked:
                 try:
-                    write_bytes_atomic(self.run.groups_ended_mark, b"")
+                    atomic_write_bytes(self.run.groups_ended_mark, b"")
                     marked = True
                 except OSError:
                     # A full disk: the appliers cannot commit either. Past the grace they stop

@@ -18,7 +18,8 @@ from hpcdl.config import Job
 from hpcdl.errors import JobError
 from hpcdl.jobfile import job_with
 from hpcdl.lifecycle import begin_new_submission
-from hpcdl.runs import RunDir, State, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir, State, read_json_file
+from hpcdl.files import atomic_write_bytes, atomic_write_json
 from hpcdl.schedulers import get_scheduler
 from hpcdl.submit import Prepared, prepare_launch, write_rendered
 
@@ -84,7 +85,7 @@ def _group_step(run: RunDir, group: int) -> int:
 
 def resume_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
     run, job = prepared.run, prepared.job
-    write_bytes_atomic(run.job_file, job.to_toml().encode())
+    atomic_write_bytes(run.job_file, job.to_toml().encode())
     write_rendered(run.root, prepared.dryrun.files)
     begin_new_submission(run, job.run.groups)
     for g in range(job.run.groups):
@@ -94,7 +95,7 @@ def resume_run(prepared: Prepared, **schedule_options: Any) -> dict[str, Any]:
         except Exception:
             state = {}
         # "finished" would let the applier end at once; the ranks report again from their start
-        write_json_atomic(path, {**(state if isinstance(state, dict) else {}), "state": State.PENDING})
+        atomic_write_json(path, {**(state if isinstance(state, dict) else {}), "state": State.PENDING})
     resumed = list(run.info().get("resumed", []))
     resumed.append(time.time())
     run.update_info(backend=job.run.backend, resumed=resumed)

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 from hpcdl.config import RUNS_DIR, Job
 from hpcdl.jobfile import job_from_dict
 from hpcdl.errors import HpcdlError, JobError
-from hpcdl.files import atomic_write_bytes, read_regular
+from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
 from hpcdl.access import Access, AccessError, access_for_job
 from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
 from hpcdl.storage import REPORT_FILE, StorageReport
@@ -355,7 +355,7 @@ class RunDir:
     def update_info(self, **fields: Any) -> None:
         info = self.info()
         info.update(fields)
-        write_json_atomic(self.info_file, info)
+        atomic_write_json(self.info_file, info)
 
 
 _ID_TIME = re.compile(r"-(\d{8}-\d{6})-[0-9a-f]{4}$")
@@ -389,8 +389,8 @@ def create_run(job: Job, backend: str, run_id: str | None = None) -> Iterator[tu
         access.fix_dir(staging)
         staged = RunDir(staging)
         create_key(staging, access)
-        write_bytes_atomic(staged.job_file, job.to_toml().encode())
-        write_json_atomic(staged.info_file, {
+        atomic_write_bytes(staged.job_file, job.to_toml().encode())
+        atomic_write_json(staged.info_file, {
             "run_id": run_id, "workload": job.workload, "backend": backend,
             "created": time.time(), "groups": job.run.groups,
             "ranks_per_group": job.run.ranks_per_group,
@@ -483,24 +483,3 @@ def read_toml_file(path: Path) -> dict[str, Any]:
         raise RunError(f"{path} is corrupt: not UTF-8 text, so not TOML") from None
     except tomllib.TOMLDecodeError as exc:
         raise RunError(f"{path} is corrupt: not valid TOML ({' '.join(str(exc).split())})") from None
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode())
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Publish ``data`` at ``path`` (:func:`hpcdl.files.atomic_write`): readers see old or new.
-
-    The file is owner-only (0600), or 0660 in a group-only run's directory. On any error (a full
-    disk, a quota) the temporary is removed and the error raised; `path` keeps its old content."""
-    path = Path(path)
-    if not path.parent.is_dir():
-        Access.of_directory(_existing_ancestor(path.parent)).make_dir(path.parent)
-    atomic_write_bytes(path, data, access=Access.of_directory(path.parent))
-
-
-def _existing_ancestor(path: Path) -> Path:
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path

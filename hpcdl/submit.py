@@ -18,7 +18,8 @@ from typing import Any, Callable
 from hpcdl.config import Job, check_plain_text
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id, write_bytes_atomic
+from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id
+from hpcdl.files import atomic_write_bytes
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
 from hpcdl.schedulers.select import choose_backend, choose_controller
@@ -102,7 +103,7 @@ def write_rendered(root: Path, files: dict[str, str]) -> None:
     """A render's files in a run directory, each published atomically; scripts executable."""
     for name, text in files.items():
         target = root / name
-        write_bytes_atomic(target, text.encode())
+        atomic_write_bytes(target, text.encode())
         if text.startswith("#!"):
             target.chmod(0o755)
 

@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
-from hpcdl.files import read_regular
+from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
 from hpcdl.errors import FinalSaveFailed, JobError, NonFiniteLoss
 from hpcdl.launch import LaunchError, RankEnv, follow_supervisor, slurm_cpus_per_task
 from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
-from hpcdl.runs import RunDir, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir
 from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
@@ -53,7 +53,7 @@ def ensure_stats(run: RunDir, workload, job, is_root: bool) -> dict:
         return stats
     if is_root:  # none yet, or a damaged one: the data give the same values again
         stats = workload.compute_stats(job)
-        write_json_atomic(run.stats_file, stats)
+        atomic_write_json(run.stats_file, stats)
         return stats
     deadline = time.monotonic() + STATS_WAIT_S
     while (stats := _read_stats(run.stats_file)) is None:
@@ -170,7 +170,7 @@ def _mark_input_error(argv: list[str] | None, text: str) -> None:
     try:
         run = RunDir(_parser().parse_args(argv).run_dir)
         group = int(os.environ.get("HPCDL_GROUP") or os.environ.get("SLURM_ARRAY_TASK_ID") or 0)
-        write_bytes_atomic(run.input_error_file(group), (text.splitlines() or [""])[0].encode() + b"\n")
+        atomic_write_bytes(run.input_error_file(group), (text.splitlines() or [""])[0].encode() + b"\n")
     except (OSError, ValueError, SystemExit):
         pass  # the exit code still says it where the launcher passes it on
 

@@ -22,7 +22,8 @@ from hpcdl.storage import StorageReport
 from hpcdl.run_exchange import adopt_master_weights, group_exchange, run_channel
 from hpcdl.access import Access
 from hpcdl.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
-from hpcdl.runs import RunError, create_run, write_json_atomic
+from hpcdl.runs import RunError, create_run
+from hpcdl.files import atomic_write_json
 from hpcdl.files import append_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides
 
@@ -82,9 +83,9 @@ def test_run_directory_is_owner_only_under_umask_000(tmp_path, umask000):
     assert {"groups/0", "groups/1", "scheduler", "run.key", "job.toml", "run.json",
             "groups/0/storage.json"} <= set(modes)
     # Written later through hpcdl.runs, still under umask 000:
-    write_json_atomic(final.root / "groups/0/state.json", {"state": "running"})
+    atomic_write_json(final.root / "groups/0/state.json", {"state": "running"})
     append_jsonl(final.root / "groups/0/metrics.jsonl", {"step": 1})
-    write_json_atomic(final.root / "eval/new/deep.json", {})
+    atomic_write_json(final.root / "eval/new/deep.json", {})
     assert mode(final.root / "groups/0/state.json") == 0o600
     assert mode(final.root / "groups/0/metrics.jsonl") == 0o600
     assert mode(final.root / "eval") == 0o700 and mode(final.root / "eval/new") == 0o700
@@ -99,7 +100,7 @@ def test_group_only_run_under_umask_077(tmp_path):
     try:
         with create_run(job, "local") as (staged, final):
             (staged.root / "later.txt").write_text("x")
-        write_json_atomic(final.root / "groups/0/state.json", {"state": "running"})
+        atomic_write_json(final.root / "groups/0/state.json", {"state": "running"})
         append_jsonl(final.root / "groups/0/metrics.jsonl", {"step": 1})
         ch = run_channel(final, job)
         ch.publish_update(0, 0, -1, W)

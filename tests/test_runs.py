@@ -8,7 +8,8 @@ from click.testing import CliRunner
 from hpcdl.cli import main
 from hpcdl.files import append_jsonl, read_jsonl
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunError, RunIdTaken, create_run, find_run, list_runs, write_json_atomic
+from hpcdl.runs import RunError, RunIdTaken, create_run, find_run, list_runs
+from hpcdl.files import atomic_write_json
 from tests.conftest import BINARY, TRUNCATED, one_error_line
 
 
@@ -72,7 +73,7 @@ def test_creation_time_from_the_run_id_when_run_json_lacks_it(tmp_path):
     for run in (older, newer):
         info = json.loads(run.info_file.read_text())
         del info["created"]
-        write_json_atomic(run.info_file, info)
+        atomic_write_json(run.info_file, info)
     os.utime(older.info_file, (time.time() + 3600,) * 2)
     assert find_run(None, tmp_path).root == newer.root
 
@@ -111,8 +112,8 @@ def test_jsonl_skips_torn_last_line(tmp_path):
 
 
 def test_atomic_json_leaves_no_temporary(tmp_path):
-    write_json_atomic(tmp_path / "s.json", {"a": 1})
-    write_json_atomic(tmp_path / "s.json", {"a": 2})
+    atomic_write_json(tmp_path / "s.json", {"a": 1})
+    atomic_write_json(tmp_path / "s.json", {"a": 2})
     assert json.loads((tmp_path / "s.json").read_text()) == {"a": 2}
     assert [p.name for p in tmp_path.iterdir()] == ["s.json"]
 

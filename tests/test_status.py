@@ -17,7 +17,8 @@ from hpcdl.display import status_view
 from hpcdl.files import append_jsonl
 from hpcdl.jobfile import load_job
 from hpcdl.lifecycle import RestartTally
-from hpcdl.runs import RunDir, State, create_run, write_json_atomic
+from hpcdl.runs import RunDir, State, create_run
+from hpcdl.files import atomic_write_json
 from hpcdl.schedulers.slurm import parse_sacct
 from hpcdl.status import collect, group_state_of, run_state
 from tests.conftest import BINARY, one_error_line
@@ -81,8 +82,8 @@ def run(tmp_path) -> RunDir:
 
 
 def record_group(run: RunDir, group: int, training: str, step: int, life: dict, tally: RestartTally | None = None):
-    write_json_atomic(run.group_state_file(group), {"state": training, "step": step})
-    write_json_atomic(run.life_file(group), {"restarts": 0, "exit_codes": [0], "pids": [], "reason": "", **life})
+    atomic_write_json(run.group_state_file(group), {"state": training, "step": step})
+    atomic_write_json(run.life_file(group), {"restarts": 0, "exit_codes": [0], "pids": [], "reason": "", **life})
     if tally is not None:
         tally.write(run.restarts_file(group))
 
@@ -239,7 +240,7 @@ def test_garbled_state_and_metrics_do_not_break_status(local_run):
 def test_exchange_age_stops_at_the_end_of_a_group(local_run, state, frozen):
     now = time.time()
     append_jsonl(local_run.metrics_file(0), {"step": 10, "time": now - 100, "exchange_last_s": now - 130})
-    write_json_atomic(local_run.group_state_file(0), {"state": "finished" if state == "finished" else "running"})
+    atomic_write_json(local_run.group_state_file(0), {"state": "finished" if state == "finished" else "running"})
     view = {"groups": {"0": {"state": state}}}
     first = collect(local_run, backend_view=view)["groups"][0]["exchange_age_s"]
     time.sleep(1.1)

@@ -21,7 +21,8 @@ import pytest
 
 from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel
-from hpcdl.runs import create_run, write_json_atomic
+from hpcdl.runs import create_run
+from hpcdl.files import atomic_write_json
 from hpcdl.files import append_jsonl, read_jsonl
 from hpcdl.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
@@ -97,7 +98,7 @@ def test_attempt_records_storage_errors_and_raises_others(tmp_path):
 
 def test_metrics_and_state_writes_on_a_full_disk(tiny_fs):
     fs = tiny_fs("grp", 64)
-    write_json_atomic(fs / "state.json", {"step": 1})
+    atomic_write_json(fs / "state.json", {"step": 1})
     append_jsonl(fs / "metrics.jsonl", {"step": 1})
     filler = fill(fs, leave=0)
     big = {"step": 2, "pad": "x" * 20000}
@@ -105,7 +106,7 @@ def test_metrics_and_state_writes_on_a_full_disk(tiny_fs):
         append_jsonl(fs / "metrics.jsonl", big)
     assert info.value.errno == errno.ENOSPC
     with pytest.raises(OSError):
-        write_json_atomic(fs / "state.json", big)
+        atomic_write_json(fs / "state.json", big)
     assert json.loads((fs / "state.json").read_text()) == {"step": 1}  # the previous version
     assert read_jsonl(fs / "metrics.jsonl") == [{"step": 1}]
     assert (fs / "metrics.jsonl").read_bytes().endswith(b"\n")  # no torn line left behind

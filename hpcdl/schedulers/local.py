@@ -30,7 +30,8 @@ from hpcdl.launch import (
 )
 from hpcdl.lifecycle import ApplierLife, GroupLife, Popened, applier_command, worker_command
 from hpcdl.access import Access
-from hpcdl.runs import RunDir, RunError, State, read_json_file, write_json_atomic
+from hpcdl.runs import RunDir, RunError, State, read_json_file
+from hpcdl.files import atomic_write_json
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.storage import StorageReport, attempt
 
@@ -154,7 +155,7 @@ class Supervisor:
         if self.appliers is not None:
             record = self.appliers.record()
             applier = {**record, "pid": record["shards"][0]["pid"], "running": self.appliers.running}
-        attempt(self.storage, "supervisor state", write_json_atomic, self.run.local_state_file, {
+        attempt(self.storage, "supervisor state", atomic_write_json, self.run.local_state_file, {
             "supervisor_pid": os.getpid(), "updated": time.time(),
             "groups": {str(g): life.record() for g, life in self.groups.items()}, "applier": applier,
         })
@@ -273,7 +274,7 @@ class LocalScheduler(Scheduler):
         """Start a supervisor process that runs exactly the dry run's processes (recorded in the
         run directory), detached or watched here until the run ends."""
         run = dryrun.request.run
-        write_json_atomic(run.local_plan_file, [{"role": r, "command": c} for r, c in zip(dryrun.roles, dryrun.commands)])
+        atomic_write_json(run.local_plan_file, [{"role": r, "command": c} for r, c in zip(dryrun.roles, dryrun.commands)])
         log = _open_log(run.supervisor_log, run.access(dryrun.request.job))
         try:
             # Not detached, the supervisor shares this terminal's process group: a Ctrl-C reaches

@@ -23,7 +23,8 @@ from hpcdl.config import Job
 from hpcdl.errors import JobError
 from hpcdl.engine.tuning import plan_threads
 from hpcdl.resources import shipped_dir
-from hpcdl.runs import RunDir, RunError, State, read_json_file, write_bytes_atomic, write_json_atomic
+from hpcdl.runs import RunDir, RunError, State, read_json_file
+from hpcdl.files import atomic_write_bytes, atomic_write_json
 from hpcdl.schedulers.base import (
     DryRun, Scheduler, SchedulerError, SubmitRequest, check_controller, controller_facts,
 )
@@ -376,7 +377,7 @@ class SlurmScheduler(Scheduler):
                 _run(["scancel", *submitted.values()])
             raise
         ids = {"slurm_array_job_id": submitted["array"], "slurm_applier_job_id": submitted.get("applier")}
-        write_json_atomic(dryrun.request.run.slurm_jobs_file, ids)
+        atomic_write_json(dryrun.request.run.slurm_jobs_file, ids)
         return ids
 
     def _ids(self, run: RunDir) -> dict[str, str | None]:
@@ -442,7 +443,7 @@ class SlurmScheduler(Scheduler):
         if self.is_active(run) is False:
             return f"nothing to cancel: SLURM jobs {', '.join(targets)} have ended"
         try:
-            write_bytes_atomic(run.cancel_mark, b"")  # no requeue after the cancel's signal
+            atomic_write_bytes(run.cancel_mark, b"")  # no requeue after the cancel's signal
         except OSError:
             pass  # a full disk must not stop the cancel (an element signalled by it may requeue)
         try:

@@ -130,13 +130,14 @@ def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
     import subprocess as sp
 
     import hpcdl.schedulers.slurm as slurm
-    from hpcdl.runs import create_run, write_json_atomic
+    from hpcdl.runs import create_run
+    from hpcdl.files import atomic_write_json
     from hpcdl.schedulers.select import cancel_run
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.backend=slurm"])
     for n in range(3):
         with create_run(job, "slurm", run_id=f"hep-2026010{n + 1}-000000-abcd") as (staged, _):
-            write_json_atomic(staged.root / "scheduler/slurm.json", {"slurm_array_job_id": str(40 + n)})
+            atomic_write_json(staged.root / "scheduler/slurm.json", {"slurm_array_job_id": str(40 + n)})
     calls = []
 
     def unreachable(cmd, timeout=30.0):
