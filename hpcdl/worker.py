@@ -266,7 +266,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         emulator = Emulator(job.emulate, group * comm.size() + comm.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
         report["emulated"] = emulator.describe()
-    result = train_group(job, workload, comm, run.checkpoint_dir(group), stats, group=group, groups=job.run.groups,
+    result = train_group(group_task(job, workload, stats), comm, run.checkpoint_dir(group), group=group, groups=job.run.groups,
                          root=_group_root(run, job, workload, stats, exchange, group, stop_requested) if root else None,
                          exchange=exchange, stop_requested=stop_requested, report=report, pace=pace,
                          step_times=StepTimeLog(run.step_times_file(group, comm.rank())))
@@ -292,6 +292,17 @@ def _thread_plan(job, args: argparse.Namespace, rank_env: RankEnv):
     on_host = rank_env.local_size if args.slurm else job.run.nodes * job.run.ranks_per_node
     return plan_for_this_process(job.tuning, on_host, os.environ,
                                  cpus_per_task=slurm_cpus_per_task(os.environ) if args.slurm else None)
+
+
+def group_task(job, workload, stats: dict):
+    """The job and its workload as the engine sees them (hpcdl.engine.train.GroupTask)."""
+    from hpcdl.engine.train import GroupTask
+
+    return GroupTask(
+        train=job.train, precision=job.tuning.precision, input_shape=tuple(workload.input_shape(job)),
+        build_model=functools.partial(workload.build_model, job.model, workload.input_shape(job)),
+        batches=lambda shard, shards, seed: workload.train_batches(job, stats, shard, shards, seed=seed),
+        loss=lambda model, batch: workload.loss(model, batch, training=True))
 
 
 def _group_root(run: RunDir, job, workload, stats: dict, exchange: bool, group: int, stop_requested):

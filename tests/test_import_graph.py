@@ -7,6 +7,7 @@ start without them; such an import is not an edge. Any other import is one, wher
 """
 
 import ast
+import re
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -114,3 +115,4 @@ def test_the_engine_knows_no_run_directory_no_scheduler_and_no_workload():
             assert not {m for m in found if m in above or m.startswith(("hpcdl.schedulers", "hpcdl.workloads",
                                                                           "hpcdl.exchange", "hpcdl.applier"))}, module
             assert "SLURM_" not in path.read_text().replace("SLURM's", ""), module
+            assert not re.search(r"from hpcdl\.config import .*\bJob\b", path.read_text()), module  # a GroupTask

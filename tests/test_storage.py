@@ -213,6 +213,7 @@ from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
 from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import REPORT_FILE, StorageReport
+from hpcdl.worker import group_task
 from hpcdl.workloads import get_workload
 
 out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))
@@ -243,7 +244,7 @@ workload = get_workload("hep")
 stats = workload.compute_stats(job)
 recorder = GroupRecorder(job, stats, StorageReport(out / REPORT_FILE), checkpoints=ckdir, metrics=out / "metrics.jsonl",
                          state=out / "state.json", tensorboard=out / "tb")
-result = train_group(job, workload, comm, ckdir, stats, group=0, groups=1, root=GroupRoot(recorder))
+result = train_group(group_task(job, workload, stats), comm, ckdir, group=0, groups=1, root=GroupRoot(recorder))
 print("STEPS", result.steps_run)
 """
 

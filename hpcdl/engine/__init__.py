@@ -2,9 +2,10 @@
 (`optim`), the training step every caller shares (`step`), FLOP counting (`flops`) and the CPU
 tuning a rank applies before TensorFlow loads (`tuning`).
 
-It knows nothing of SLURM, of run directories or of how its processes were started: callers pass
-in the initialised Horovod module, the checkpoint directory, what records the group's progress
-(`Recorder`, `StepLog`) and the exchange (`GroupSync`). Importing
+It knows nothing of SLURM, of run directories, of the job file or of any one workload: callers
+pass in what the group trains (`GroupTask`: the train settings and the workload's model, batches
+and loss, bound), the group's `Collective`, the checkpoint directory, what records the group's
+progress (`Recorder`, `StepLog`) and the exchange (`GroupSync`). Importing
 this package does not import TensorFlow (`tuning` must run first).
 """
 

@@ -21,12 +21,12 @@ import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 import tensorflow as tf
 
-from hpcdl.config import Job
+from hpcdl.config import TrainConfig
 from hpcdl.engine.collective import Collective
 from hpcdl.engine.optim import make_optimizer
 from hpcdl.engine.step import make_train_step
@@ -35,6 +35,19 @@ from hpcdl.errors import FinalSaveFailed, NonFiniteLoss
 
 FINAL_SAVE_BACKOFF_S = (1.0, 2.0, 5.0, 10.0)  # between tries of the last checkpoint and state
 
+
+
+@dataclass(frozen=True)
+class GroupTask:
+    """What a group trains, bound by its caller to a job and a workload: the engine reads
+    `train` and calls the rest, and knows nothing else of either."""
+
+    train: TrainConfig
+    precision: str  # tuning.precision: the compute dtype's policy
+    input_shape: tuple[int, ...]
+    build_model: Callable[..., Any]  # (seed=, compute_dtype=) -> the workload's Model
+    batches: Callable[[int, int, int], Iterator]  # (shard, shards, seed) -> training batches
+    loss: Callable[[Any, Any], Any]  # (model, batch) -> the scalar loss, traced inside the step
 
 
 @dataclass(frozen=True)
@@ -110,19 +123,18 @@ class GroupRoot:
 class _GroupModel:
     """The group's model, optimizer and step counter, restored from its newest checkpoint if any."""
 
-    def __init__(self, job: Job, workload, checkpoints: Path):
-        self.input_shape = workload.input_shape(job)
+    def __init__(self, task: GroupTask, checkpoints: Path):
+        self.input_shape = task.input_shape
         # mixed_bfloat16: the model computes in bfloat16; variables, optimizer slots, gradients as
         # applied, checkpoints and exchange files stay float32 (the policy's variable dtype).
-        policy = precision_policy(job.tuning.precision)
-        self.model = workload.build_model(job.model, self.input_shape, seed=job.train.seed,
-                                          compute_dtype=policy.compute_dtype)
+        policy = precision_policy(task.precision)
+        self.model = task.build_model(seed=task.train.seed, compute_dtype=policy.compute_dtype)
         self.names = [n for n, _ in self.model.named_variables()]
         self.variables = [v for _, v in self.model.named_variables()]
-        self.optimizer = make_optimizer(job.train.optimizer, self.variables, job.train.learning_rate)
+        self.optimizer = make_optimizer(task.train.optimizer, self.variables, task.train.learning_rate)
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
         checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
-        self.manager = tf.train.CheckpointManager(checkpoint, str(checkpoints), job.train.keep_checkpoints)
+        self.manager = tf.train.CheckpointManager(checkpoint, str(checkpoints), task.train.keep_checkpoints)
         self.restored = self.manager.latest_checkpoint is not None
         if self.restored:
             checkpoint.restore(self.manager.latest_checkpoint).expect_partial()
@@ -172,14 +184,14 @@ class _RootDuties:
     """Rank 0's periodic actions after a step, in this order: validate, write the metrics line,
     checkpoint. None of them is a collective, so the other ranks go on to the next step."""
 
-    def __init__(self, job: Job, root: GroupRoot, group_model: _GroupModel, *,
+    def __init__(self, train: TrainConfig, root: GroupRoot, group_model: _GroupModel, *,
                  group: int, ranks: int, exchange: bool, report: dict[str, Any]):
-        self.train, self.group, self.ranks = job.train, group, ranks
+        self.train, self.group, self.ranks = train, group, ranks
         self.sync = root.sync if exchange else None
-        self.validate = root.validate if job.train.validate_every else None
+        self.validate = root.validate if train.validate_every else None
         self.report, self.manager = report, group_model.manager
         self.recorder = root.recorder
-        self.rates = _Rates(job.train.batch_per_rank, group_model.model.flops().training, ranks)
+        self.rates = _Rates(train.batch_per_rank, group_model.model.flops().training, ranks)
         self.train_start = time.time()
         self.validation: dict[str, Any] = {}  # the newest, repeated in every metrics line after it
         self.validation_due = False
@@ -251,11 +263,11 @@ def _start_weights(comm: Collective, g: _GroupModel, sync: GroupSync | None, gro
             else ", no master version yet (its own weights)"), flush=True)
 
 
-def train_group(job: Job, workload, comm: Collective, checkpoints: Path, stats: dict[str, Any], *,
+def train_group(task: GroupTask, comm: Collective, checkpoints: Path, *,
                 group: int, groups: int, root: GroupRoot | None = None, exchange: bool = False,
                 stop_requested: Callable[[], bool] | None = None, report: dict[str, Any] | None = None,
                 pace: Callable[[int, float], None] | None = None, step_times: StepLog | None = None) -> TrainResult:
-    """Train until `job.train.steps`, resuming from the group's newest checkpoint if any.
+    """Train until `task.train.steps`, resuming from the group's newest checkpoint if any.
 
     `comm` is the group's `Collective`, passed in so the caller decides how the group was formed; `root` is given to rank 0 only. `exchange` must be the same on every rank of
     the group (it adds collective steps). `stop_requested` (a signal flag, e.g. SLURM's warning
@@ -274,19 +286,19 @@ def train_group(job: Job, workload, comm: Collective, checkpoints: Path, stats: 
     if rank == 0 and (root is None or (exchange and root.sync is None)):
         raise ValueError("rank 0 of a group needs its GroupRoot, with a GroupSync for an exchange")
     sync = root.sync if rank == 0 and exchange else None
-    g = _GroupModel(job, workload, checkpoints)
+    g = _GroupModel(task, checkpoints)
     _start_weights(comm, g, sync, group)
     duties = None
     if rank == 0:
         root.recorder.manifest(g.input_shape, [name for name, _ in g.model.named_variables()])
-        duties = _RootDuties(job, root, g, group=group, ranks=size, exchange=exchange, report=report or {})
-    batches = workload.train_batches(job, stats, group * size + rank, groups * size, seed=job.train.seed + g.resumed_from)
-    train_step = make_train_step(lambda batch: workload.loss(g.model, batch, training=True), g.variables, g.optimizer, comm)
+        duties = _RootDuties(task.train, root, g, group=group, ranks=size, exchange=exchange, report=report or {})
+    batches = task.batches(group * size + rank, groups * size, task.train.seed + g.resumed_from)
+    train_step = make_train_step(lambda batch: task.loss(g.model, batch), g.variables, g.optimizer, comm)
     coordinate = exchange or stop_requested is not None
     own_times = step_times
     stopped = False
     try:
-        for current in range(g.resumed_from + 1, job.train.steps + 1):
+        for current in range(g.resumed_from + 1, task.train.steps + 1):
             started = time.perf_counter()
             loss, grads, finite, own_seconds = train_step(next(batches))  # collective: the gradients' allreduce
             if not finite.numpy().all():  # the same verdict on every rank: the averages are the group's
@@ -309,7 +321,7 @@ def train_group(job: Job, workload, comm: Collective, checkpoints: Path, stats: 
         # there holds h5py's lock, its finalisers wait for it, and the rank never ends.
         batches.close()
 
-    return _finish(comm, g, duties, report, stopped, job.train.final_save_retry_s, sync)
+    return _finish(comm, g, duties, report, stopped, task.train.final_save_retry_s, sync)
 
 
 def _finish(comm: Collective, g: _GroupModel, duties: _RootDuties | None, report: dict[str, Any] | None, stopped: bool,

@@ -14,6 +14,7 @@ from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
 from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import StorageReport
+from hpcdl.worker import group_task
 from hpcdl.workloads import get_workload
 
 
@@ -48,7 +49,7 @@ for name, sync in (("plain", None), ("adopting", EchoSync())):
     d = out / name
     recorder = GroupRecorder(job, stats, StorageReport(d / "storage.json"), checkpoints=d / "ckpt",
                              metrics=d / "metrics.jsonl", state=d / "state.json", tensorboard=d / "tb")
-    result = train_group(job, workload, comm, d / "ckpt", stats, group=0, groups=1,
+    result = train_group(group_task(job, workload, stats), comm, d / "ckpt", group=0, groups=1,
                          root=GroupRoot(recorder, sync), exchange=sync is not None)
     finals[name] = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / "finals.npz", **{f"{k}/{n}": v for k, w in finals.items() for n, v in w.items()})

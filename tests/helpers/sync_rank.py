@@ -15,6 +15,7 @@ from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
 from hpcdl.group_files import GroupRecorder
 from hpcdl.storage import StorageReport
+from hpcdl.worker import group_task
 from hpcdl.workloads import get_workload
 
 out, overrides = Path(sys.argv[1]), json.loads(sys.argv[2])
@@ -38,7 +39,7 @@ def pace(step, started):
         raise RuntimeError(f"rank 1 fails alone at step {step}")
 
 
-result = train_group(job, workload, comm, out / "ckpt", stats, group=0, groups=1, root=root if comm.rank() == 0 else None,
+result = train_group(group_task(job, workload, stats), comm, out / "ckpt", group=0, groups=1, root=root if comm.rank() == 0 else None,
                      pace=pace)
 final = {n: v.numpy() for n, v in result.model.named_variables()}
 np.savez(out / f"rank{comm.rank()}.npz", first_x=first_batch[0],
