@@ -35,7 +35,7 @@ MEASURES = ("allreduce:2.38", "allreduce:32", "step:hep", "step:race")
 
 def one_group(controller: str, kind: str, ranks: int, reps: int, log_path) -> dict:
     """One fresh group of bench.collective_rank under mpirun: rank 0's figures."""
-    from hpcdl.launch import find_mpi_launcher, local_group, worker_environ
+    from hpcdl.process.launch import find_mpi_launcher, local_group, worker_environ
 
     launcher = find_mpi_launcher()
     if launcher is None:

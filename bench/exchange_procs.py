@@ -16,7 +16,7 @@ from hpcdl.engine.tuning import read_cpuinfo
 from hpcdl.exchange import Channel, Signer
 from hpcdl.exchange.group import ExchangeSync  # imported before the forks: shared
 from hpcdl.exchange.shards import Partition
-from hpcdl.files import read_jsonl
+from hpcdl.fs.files import read_jsonl
 
 RUN_ID = "exchange-load"
 HEP_PARAMS = 594_178

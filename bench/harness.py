@@ -300,7 +300,7 @@ def result_path(suite: str, m: dict[str, Any] | None = None, when: float | None 
 
 def publish(path: Path, data: bytes) -> Path:
     """Write a file of bench/ whole (a crash leaves the old file or none, never half of one)."""
-    from hpcdl.files import atomic_write_bytes
+    from hpcdl.fs.files import atomic_write_bytes
 
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_bytes(path, data)

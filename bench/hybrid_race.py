@@ -3,7 +3,7 @@
 
 Figures, not a test. Every configuration trains the HEP network (small: 16 filters, 32×32
 images, batch 8 per rank) on the same generated set with `hpcdl submit --backend local`, paced
-by the straggler emulator (`[emulate]`, hpcdl.emulate): each rank-step lasts `--step-seconds`
+by the straggler emulator (`[emulate]`, hpcdl.process.emulate): each rank-step lasts `--step-seconds`
 × X, so the emulated time, not the 2 cores, sets the pace. Scenarios:
 
   a  no variance                         X = 1
@@ -54,7 +54,7 @@ from bench.race_common import (
     TARGETS, Config, Result, StopRule, Watched, generated, held, named,
 )
 from bench.race_summary import auc_at, markdown, picture, render, summarise
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 
 
 def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate: float, phase: str,

@@ -87,8 +87,8 @@ class CpuTracker:
 
 def metrics(run_dir: Path, group: int = 0) -> list[dict]:
     """A group's metrics lines ([] before its first)."""
-    from hpcdl.runs import RunDir
-    from hpcdl.files import read_jsonl
+    from hpcdl.rundir.runs import RunDir
+    from hpcdl.fs.files import read_jsonl
 
     return read_jsonl(RunDir(run_dir).metrics_file(group))
 

@@ -87,7 +87,7 @@ class NumpyProbe:
         os.environ.setdefault("OPENBLAS_NUM_THREADS", str(args.threads))
         import numpy as np
 
-        from hpcdl.doctor import openblas_core_in_use
+        from hpcdl.commands.doctor import openblas_core_in_use
 
         self.np = np
         self.core = openblas_core_in_use()
@@ -250,7 +250,7 @@ class TfProbe:
         out = []
         signer = None
         if cmd.get("run_dir"):  # exchange files are signed with the run's key
-            from hpcdl.runs import RunDir
+            from hpcdl.rundir.runs import RunDir
 
             signer = RunDir(Path(cmd["run_dir"])).signer()
         for path in cmd["snapshots"]:

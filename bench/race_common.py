@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.harness import hep_data
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 
 SUITE = "race"
 RANKS = 8

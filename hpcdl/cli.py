@@ -117,12 +117,12 @@ def submit(job, backend, nodes, group_size, ranks_per_node, overrides, runs_dir,
     The local backend trains in the foreground with a progress bar (Ctrl-C cancels); the slurm
     backend submits a job array, one element per group, and returns.
     """
-    from hpcdl.submit import prepare, submit_run
+    from hpcdl.commands.submit import prepare, submit_run
 
     settings = _settings({"run.backend": backend, "run.nodes": nodes, "run.group_size": group_size,
                           "run.ranks_per_node": ranks_per_node, "run.runs_dir": runs_dir and str(runs_dir),
                           "run.check_data": False if no_check_data else None})
-    from hpcdl.display import ScanProgress
+    from hpcdl.commands.display import ScanProgress
 
     with ScanProgress(err) as scan:
         prepared = prepare(job, list(overrides), settings, on_note=_print_note, progress=scan)
@@ -148,9 +148,9 @@ def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
     attached here (the local one, unless detached); print the run and its SLURM job ids. A run
     watched to its end exits 0 only if status calls it finished; otherwise each group that did
     not finish says why, and the exit status is 1."""
-    from hpcdl.display import GroupProgress
-    from hpcdl.runs import RunDir, State
-    from hpcdl.status import run_outcome
+    from hpcdl.commands.display import GroupProgress
+    from hpcdl.rundir.runs import RunDir, State
+    from hpcdl.commands.status import run_outcome
 
     if as_json or detach:
         result = start(detach=detach)
@@ -195,11 +195,11 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
     """Continue RUN (a run directory or id) in place: every group from its newest checkpoint, the
     applier from its state. For a run whose supervisor died, that was cancelled, gave up after
     its restarts, or finished and should train longer (--set train.steps=N)."""
-    from hpcdl.resume import prepare_resume, resume_run
-    from hpcdl.runs import find_run
+    from hpcdl.commands.resume import prepare_resume, resume_run
+    from hpcdl.rundir.runs import find_run
 
     settings = _settings({"run.backend": backend, "run.check_data": False if no_check_data else None})
-    from hpcdl.display import ScanProgress
+    from hpcdl.commands.display import ScanProgress
 
     with ScanProgress(err) as scan:
         prepared = prepare_resume(find_run(run, runs_dir), list(overrides), settings, on_note=_print_note,
@@ -218,15 +218,15 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
               help="Also write the run's curves (loss, FLOP/s per group and in all, master versions) to this PNG.")
 def status(run, runs_dir, as_json, watch, interval, plot):
     """Show a run (default: the newest under --runs-dir): per group, the applier, and totals."""
-    from hpcdl.display import status_view
-    from hpcdl.runs import find_run
-    from hpcdl.status import collect
+    from hpcdl.commands.display import status_view
+    from hpcdl.rundir.runs import find_run
+    from hpcdl.commands.status import collect
 
     if plot and watch:
         raise InputError("--plot writes one picture: use it without --watch")
     run_dir = find_run(run, runs_dir)
     if plot:
-        from hpcdl.progress_plot import plot_run
+        from hpcdl.commands.progress_plot import plot_run
 
         try:
             err.print(f"plot: {plot_run(run_dir, plot)}")
@@ -277,8 +277,8 @@ def logs(run, runs_dir, group, rank, applier, follow):
     """Print a run's log files (default: the newest run under --runs-dir): every rank's, the
     applier's, the local supervisor's and SLURM's output files; as tail does, each under a
     ==> path <== header when there are several (or with --follow), a single file as it is."""
-    from hpcdl.logs import select, stream, until_signalled
-    from hpcdl.runs import find_run
+    from hpcdl.commands.logs import select, stream, until_signalled
+    from hpcdl.rundir.runs import find_run
 
     run_dir = find_run(run, runs_dir)
     run_dir.info()  # a torn run.json: one line naming it
@@ -311,12 +311,12 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, a
     --runs-dir). Prints the metrics (docs/reference/metrics.md) and writes the workload's plots
     into the run's eval/ (hep: a ROC curve; climate: detections; keras: a confusion matrix, or
     predicted against true per output). The data is scanned for NaN/Inf first."""
-    from hpcdl.evaluate import evaluate as run_evaluate, locate
+    from hpcdl.commands.evaluate import evaluate as run_evaluate, locate
 
     checkpoint = locate(checkpoint, runs_dir)
     if scores_out is not None and scores_out.suffix.lower() not in (".npz", ".csv"):
         raise InputError("--scores-out must end in .npz or .csv")
-    from hpcdl.display import ScanProgress, counting_progress
+    from hpcdl.commands.display import ScanProgress, counting_progress
 
     progress, task = counting_progress(err, "scoring", None)
 
@@ -333,7 +333,7 @@ def evaluate(checkpoint, runs_dir, data, out_dir, scores_out, no_check_finite, a
     if as_json:
         _emit_json(result)
         return
-    from hpcdl.display import metrics_table
+    from hpcdl.commands.display import metrics_table
 
     console.print(metrics_table(f"{result['model']} on {result['data']}", result))
 
@@ -351,8 +351,8 @@ def export(checkpoint, out, runs_dir, own, as_json):
     `evaluate` takes it) to OUT, with its input normalisation inside, loadable without hpcdl: a
     TensorFlow SavedModel directory (`model = tf.saved_model.load(OUT)`, then `model.serve(x)`), or for keras jobs
     Keras' own file when OUT ends in .keras (`keras.models.load_model(OUT)`)."""
-    from hpcdl.evaluate import locate
-    from hpcdl.export import export as run_export
+    from hpcdl.commands.evaluate import locate
+    from hpcdl.commands.export import export as run_export
 
     result = run_export(locate(checkpoint, runs_dir), out, master=not own)
     if as_json:
@@ -443,7 +443,7 @@ def data_generate():
 
 
 def _generate(w, count_name: str, out_dir: Path, seed: int, force: bool, as_json: bool, options: dict) -> None:
-    from hpcdl.display import counting_progress
+    from hpcdl.commands.display import counting_progress
     from hpcdl.workloads.common import split_paths
 
     count = options.pop(count_name)
@@ -517,10 +517,10 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     for hep, its network's FLOPs and size are counted from the model it builds (from its data's
     shape). With --from-run the stragglers are measured: a short synchronous run of the job shows them. With --target the
     time to accuracy decides: the job's model races on its data for every group count."""
-    from hpcdl.display import accuracy_view, paper_check_text, plan_view
+    from hpcdl.commands.display import accuracy_view, paper_check_text, plan_view
     from hpcdl.perf.command import PlanRequest, make_plan
     from hpcdl.perf.planner import paper_check
-    from hpcdl.runs import find_run
+    from hpcdl.rundir.runs import find_run
 
     try:
         counts = tuple(int(c) for c in group_counts.split(",")) if group_counts else ()
@@ -551,7 +551,7 @@ class _RaceProgress:
         self.progress = None
 
     def start(self, races: int):
-        from hpcdl.display import counting_progress
+        from hpcdl.commands.display import counting_progress
 
         self.progress, task = counting_progress(err, "racing", races)
         self.progress.start()
@@ -575,13 +575,13 @@ class _RaceProgress:
 @click.option("--json", "as_json", is_flag=True)
 def doctor(as_json):
     """Report versions, how Horovod was built, oneDNN, and the thread settings a rank would use."""
-    from hpcdl.doctor import report_here
+    from hpcdl.commands.doctor import report_here
 
     info = report_here()
     if as_json:
         _emit_json(info)
         return
-    from hpcdl.display import metrics_table
+    from hpcdl.commands.display import metrics_table
 
     console.print(metrics_table("hpcdl doctor", info))
 

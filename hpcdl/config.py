@@ -26,7 +26,7 @@ from hpcdl.errors import JobError
 # reference read them from the field's type, and each registry's test checks that its table
 # implements every name (tests/test_choices.py).
 Backend = Literal["auto", "local", "slurm"]  # auto: SLURM where it answers, else this machine
-Controller = Literal["auto", "gloo", "mpi", "mpi4py"]  # how a group's ranks talk (hpcdl.launch, hpcdl.engine.collective)
+Controller = Literal["auto", "gloo", "mpi", "mpi4py"]  # how a group's ranks talk (hpcdl.process.launch, hpcdl.engine.collective)
 TrainOptimizer = Literal["adam", "sgd"]  # hpcdl.engine.TRAIN_OPTIMIZERS
 UpdateRuleName = Literal["sgd", "momentum", "adam", "nesterov"]  # hpcdl.applier.rules.UPDATE_RULES
 StalePolicy = Literal["drop", "downweight"]
@@ -68,7 +68,7 @@ class RunConfig:
     max_restarts: int = 3  # per group, before the run gives that group up (local and SLURM)
     check_data: bool = True  # false: the data files exist only where the ranks run (compute nodes)
     check_finite: bool = True  # false: skip the NaN/Inf scan of data.train and data.val (it reads every value once)
-    unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.access)
+    unix_group: str = ""  # empty: the run is owner-only; a group name: group-only (hpcdl.fs.access)
     controller: Controller = "auto"  # how a group's ranks talk: Horovod over gloo or mpi, or mpi4py (hpcdl.engine.collective); auto: gloo where Horovod loads, else mpi4py
 
     @property

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from hpcdl.config import CommandLineValue, Job, build_job
 from hpcdl.errors import JobError
-from hpcdl.files import read_regular
+from hpcdl.fs.files import read_regular
 from hpcdl.resources import shipped_dir
 from hpcdl.workloads import get_workload
 

@@ -127,7 +127,7 @@ def mpi4py_mpi() -> str:
     """The mpi4py collective's tests run where mpi4py loads an MPI and a launcher is found (the
     mpirun the local backend would use, returned); skipped otherwise, or failed under
     HPCDL_REQUIRE_MPI=1 as above."""
-    from hpcdl.launch import find_mpi_launcher, mpi4py_problem
+    from hpcdl.process.launch import find_mpi_launcher, mpi4py_problem
 
     missing = []
     if problem := mpi4py_problem(sys.executable):
@@ -194,7 +194,7 @@ def one_error_line(result, fragment):
 def local_run(tmp_path):
     """A run of the shipped hep job on the local backend, created and never started."""
     from hpcdl.jobfile import load_job
-    from hpcdl.runs import create_run
+    from hpcdl.rundir.runs import create_run
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"'])
     with create_run(job, "local") as (_, final):

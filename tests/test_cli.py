@@ -136,7 +136,7 @@ def test_dry_run_writes_nothing_and_shows_commands(runner, hep_files, tmp_path):
     runs = tmp_path / "runs"
     code, output = run_cli(runner, submit_args(hep_files, runs, "--nodes", "2", "--dry-run"))
     assert code == 0, output
-    assert output.count("hpcdl.worker") == 2 and "HOROVOD_RANK=1" in output
+    assert output.count("hpcdl.process.worker") == 2 and "HOROVOD_RANK=1" in output
     assert not runs.exists()
 
 
@@ -148,7 +148,7 @@ def test_completion_script(runner):
 def test_relative_data_paths_are_kept_absolute_from_where_one_submits(hep_files, tmp_path, monkeypatch):
     """A job's data files are named relative to the directory it is submitted from; the run keeps
     them absolute, so status, evaluate and resume find them from any other directory."""
-    from hpcdl.submit import prepare
+    from hpcdl.commands.submit import prepare
 
     monkeypatch.chdir(hep_files["train"].parent)
     overrides = tiny_overrides({"train": Path("train.h5"), "test": Path("sub/../test.h5")}, tmp_path / "runs")
@@ -173,10 +173,10 @@ def test_an_os_error_from_a_workloads_data_check_is_one_line_naming_the_workload
 
 def test_every_error_the_cli_reports_has_one_base_and_its_exit_code():
     from hpcdl.errors import HpcdlError, JobError
-    from hpcdl.evaluate import EvaluateError
+    from hpcdl.commands.evaluate import EvaluateError
     from hpcdl.exchange import CorruptFile
-    from hpcdl.launch import LaunchError
-    from hpcdl.runs import RunError
+    from hpcdl.process.launch import LaunchError
+    from hpcdl.rundir.runs import RunError
     from hpcdl.schedulers.base import SchedulerError
     from hpcdl.workloads.common import DataFileError
 

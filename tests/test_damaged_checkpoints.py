@@ -11,9 +11,9 @@ import tensorflow as tf
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.group_files import GroupRecorder
+from hpcdl.rundir.group_files import GroupRecorder
 from hpcdl.jobfile import load_job
-from hpcdl.storage import StorageReport
+from hpcdl.fs.storage import StorageReport
 from hpcdl.workloads import get_workload
 from tests.conftest import BINARY, TRUNCATED, one_error_line, tiny_overrides, write_nersc
 
@@ -114,7 +114,7 @@ def test_evaluate_refuses_data_of_another_shape_without_leaving_its_directory(ch
 def test_a_runs_evaluation_takes_the_runs_access_mode_and_leaves_others_alone(checkpoint, hep_files, tmp_path):
     import os
 
-    from hpcdl.runs import create_run
+    from hpcdl.rundir.runs import create_run
 
     job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs"))
     with create_run(job, "local") as (_, run):

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-from hpcdl.doctor import RankSetup, report
+from hpcdl.commands.doctor import RankSetup, report
 from tests.conftest import HPCDL
 
 
@@ -35,7 +35,7 @@ def test_doctor_reports_the_installation_and_a_ranks_plan():
 
 def test_doctor_says_why_mpi4py_cannot_run_without_mpi(tmp_path):
     """mpi4py's probe in a Python whose mpi4py cannot load a library: the line says so."""
-    from hpcdl.launch import mpi4py_problem
+    from hpcdl.process.launch import mpi4py_problem
 
     fake = tmp_path / "python"
     fake.write_text("#!/bin/sh\necho 'RuntimeError: cannot load MPI library' >&2\nexit 1\n")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hpcdl.config import EmulateConfig
-from hpcdl.emulate import Emulator
+from hpcdl.process.emulate import Emulator
 from tests.conftest import hpcdl, set_args, tiny_overrides
 
 
@@ -52,7 +52,7 @@ def test_pace_pads_a_step_to_its_emulated_time(tmp_path):
 def test_the_planned_kill_happens_once_per_run(tmp_path):
     mark = tmp_path / "killed"
     code = ("import time; from pathlib import Path; from hpcdl.config import EmulateConfig; "
-            "from hpcdl.emulate import Emulator; "
+            "from hpcdl.process.emulate import Emulator; "
             f"e = Emulator(EmulateConfig(enabled=True, kill_shard=2, kill_after_s=0.2, step_seconds=0.05), 2, Path({str(mark)!r})); "
             "[e.pace(s, time.perf_counter()) for s in range(20)]; print('survived')")
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

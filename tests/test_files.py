@@ -1,4 +1,4 @@
-"""hpcdl.files.read_regular: a whole-file read that a symlink to /dev/zero, a FIFO or a huge file
+"""hpcdl.fs.files.read_regular: a whole-file read that a symlink to /dev/zero, a FIFO or a huge file
 cannot turn into a hang or an exhausted memory."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from hpcdl.files import read_regular
+from hpcdl.fs.files import read_regular
 
 
 def test_a_regular_file_is_read_whole(tmp_path):
@@ -46,7 +46,7 @@ def test_a_missing_file_is_file_not_found(tmp_path):
 
 
 def test_several_files_are_published_together_or_not_at_all(tmp_path):
-    from hpcdl.files import atomic_paths
+    from hpcdl.fs.files import atomic_paths
 
     names = [tmp_path / f"{split}.h5" for split in ("train", "val", "test")]
     for name in names:

@@ -11,7 +11,7 @@ import numpy as np
 
 from hpcdl.exchange import Channel
 from hpcdl.exchange.group import ExchangeSync
-from hpcdl.files import read_jsonl
+from hpcdl.fs.files import read_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
 

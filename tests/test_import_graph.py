@@ -92,10 +92,10 @@ def test_the_job_schema_imports_nothing_of_hpcdl_above_it():
 
 
 def test_the_exchange_protocol_knows_no_run_directory_and_no_process_above_it():
-    """exchange/ is the protocol beneath the run directory (hpcdl.run_exchange binds the two)."""
+    """exchange/ is the protocol beneath the run directory (hpcdl.rundir.run_exchange binds the two)."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    above = {"hpcdl.runs", "hpcdl.jobfile", "hpcdl.run_exchange", "hpcdl.lifecycle", "hpcdl.worker",
-             "hpcdl.submit", "hpcdl.resume", "hpcdl.cli", "hpcdl.status"}
+    above = {"hpcdl.rundir.runs", "hpcdl.jobfile", "hpcdl.rundir.run_exchange", "hpcdl.process.lifecycle", "hpcdl.process.worker",
+             "hpcdl.commands.submit", "hpcdl.commands.resume", "hpcdl.cli", "hpcdl.commands.status"}
     for module, path in files.items():
         if module.startswith("hpcdl.exchange"):
             found = imports(path, module, set(files), top_level=False)
@@ -107,8 +107,8 @@ def test_the_engine_knows_no_run_directory_no_scheduler_and_no_workload():
     """engine/ is given its checkpoint directory, recorder and exchange by the worker; it reads no
     run directory, job file or SLURM variable, and a workload reaches it as an argument."""
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    above = {"hpcdl.runs", "hpcdl.jobfile", "hpcdl.files", "hpcdl.storage", "hpcdl.steptimes", "hpcdl.access",
-             "hpcdl.group_files", "hpcdl.run_exchange", "hpcdl.lifecycle", "hpcdl.launch", "hpcdl.worker"}
+    above = {"hpcdl.rundir.runs", "hpcdl.jobfile", "hpcdl.fs.files", "hpcdl.fs.storage", "hpcdl.rundir.steptimes", "hpcdl.fs.access",
+             "hpcdl.rundir.group_files", "hpcdl.rundir.run_exchange", "hpcdl.process.lifecycle", "hpcdl.process.launch", "hpcdl.process.worker"}
     for module, path in files.items():
         if module.startswith("hpcdl.engine"):
             found = imports(path, module, set(files), top_level=False)
@@ -116,3 +116,34 @@ def test_the_engine_knows_no_run_directory_no_scheduler_and_no_workload():
                                                                           "hpcdl.exchange", "hpcdl.applier"))}, module
             assert "SLURM_" not in path.read_text().replace("SLURM's", ""), module
             assert not re.search(r"from hpcdl\.config import .*\bJob\b", path.read_text()), module  # a GroupTask
+
+
+# The top level by role, from the bottom up: a unit (a folder of hpcdl/, or a top-level module)
+# imports only from its own layer or a lower one, wherever the import stands.
+LAYERS = [
+    {"errors", "adam", "config", "registry", "resources", "fs"},  # the schema and the leaves
+    {"engine", "exchange", "workloads"},  # training, the exchange protocol, the science
+    {"applier", "jobfile", "rundir"},  # the parameter server; a job file; a run's directory
+    {"process", "schedulers"},  # a run's processes and what starts them
+    {"perf"},
+    {"commands"},
+    {"cli"},
+    {"reference"},  # documents the CLI
+]
+
+
+def test_no_unit_imports_from_a_higher_layer():
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    layer = {unit: n for n, units in enumerate(LAYERS) for unit in units}
+    assert set(layer) == {m.split(".")[1] for m in files if m.count(".")} - {"__init__"} | {
+        module_name(p).split(".")[1] for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    upward = []
+    for module, path in files.items():
+        if module == "hpcdl":
+            continue
+        unit = module.split(".")[1]
+        for found in imports(path, module, set(files), top_level=False):
+            other = found.split(".")[1] if found.startswith("hpcdl.") else None
+            if other and other != unit and layer[other] > layer[unit]:
+                upward.append(f"{module} -> {found}")
+    assert not upward, upward

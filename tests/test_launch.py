@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcdl.launch import (
+from hpcdl.process.launch import (
     SUPERVISOR_PID_ENV, LaunchError, MpiLauncher, RankEnv, expand_nodelist, find_mpi_launcher, is_open_mpi,
     open_mpi_root_allowed, slurm_group_plan,
 )
@@ -100,7 +100,7 @@ def test_a_rank_alone_in_its_mpi_world_is_refused():
 
 
 def test_mpi_launcher_commands(tmp_path):
-    argv = ["python", "-m", "hpcdl.worker", "RUN", "--mpi"]
+    argv = ["python", "-m", "hpcdl.process.worker", "RUN", "--mpi"]
     assert MpiLauncher("/usr/bin/mpirun", open_mpi=True).command(4, argv) == [
         "/usr/bin/mpirun", "-np", "4", "--oversubscribe", "--bind-to", "none", *argv]
     assert MpiLauncher("/opt/mpich/bin/mpiexec", open_mpi=False).command(2, argv) == [
@@ -117,7 +117,7 @@ def test_open_mpi_root_needs_both_variables():
 
 FOLLOWER = textwrap.dedent("""
     import os, signal, sys, time
-    from hpcdl.launch import follow_supervisor
+    from hpcdl.process.launch import follow_supervisor
     signal.signal(signal.SIGTERM, lambda signum, _: (open(sys.argv[1], "w").write(f"stopped by {signum}"), sys.exit(0)))
     follow_supervisor(os.environ, poll_s=0.1)
     open(sys.argv[1] + ".ready", "w").close()

@@ -1,4 +1,4 @@
-"""hpcdl.lifecycle on stand-in processes and a stand-in clock: what a group's and the appliers'
+"""hpcdl.process.lifecycle on stand-in processes and a stand-in clock: what a group's and the appliers'
 life decide from exit codes and marks, the same for every backend."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 import pytest
 
 from hpcdl.jobfile import load_job
-from hpcdl.lifecycle import (
+from hpcdl.process.lifecycle import (
     EXIT_LOCKED, EXIT_REQUEUE, EXIT_USER_ERROR, RESTART_BACKOFF_S, ApplierLife, GroupLife, RestartTally,
     begin_new_submission,
 )
-from hpcdl.runs import RunDir, State, create_run
+from hpcdl.rundir.runs import RunDir, State, create_run
 
 
 class FakeProcs:
@@ -283,8 +283,8 @@ def test_a_group_that_cannot_start_fails_with_one_line(run):
 
 
 def test_the_applier_takes_a_garbled_group_state_for_not_finished(tmp_path):
-    from hpcdl.runs import RunDir
-    from hpcdl.lifecycle import groups_finished
+    from hpcdl.rundir.runs import RunDir
+    from hpcdl.process.lifecycle import groups_finished
 
     run = RunDir(tmp_path)
     for g, content in enumerate([b'{"state": "finished"}', b"\xff\xfe\x00binary", b"[1, 2]"]):

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from hpcdl.jobfile import load_job
-from hpcdl.logs import last_error, select
-from hpcdl.runs import RunError, create_run
+from hpcdl.commands.logs import last_error, select
+from hpcdl.rundir.runs import RunError, create_run
 from tests.conftest import HPCDL, hpcdl, set_args, tiny_overrides
 
 TRACEBACK = """hpcdl rank 0: intra-op 1, inter-op 1
 Traceback (most recent call last):
-  File "/x/hpcdl/worker.py", line 190, in main
+  File "/x/hpcdl/process/worker.py", line 190, in main
     stats = ensure_stats(run, workload, job, is_root=hvd.rank() == 0)
   File "/x/h5py/_hl/files.py", line 234, in make_fid
 FileNotFoundError: [Errno 2] Unable to synchronously open file (unable to open file: name = '/data/train.h5')

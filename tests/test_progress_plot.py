@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.progress_plot import aggregate_flops, plot_run
-from hpcdl.runs import RunDir
+from hpcdl.commands.progress_plot import aggregate_flops, plot_run
+from hpcdl.rundir.runs import RunDir
 
 
 def fake_run(tmp_path, rates_by_group, hybrid=True):

@@ -7,7 +7,7 @@ import signal
 import time
 from pathlib import Path
 
-from hpcdl.files import read_jsonl
+from hpcdl.fs.files import read_jsonl
 from tests.conftest import hpcdl, set_args, tiny_overrides
 from tests.test_hybrid import applied_exactly_once, wait_for
 

@@ -18,13 +18,13 @@ from hpcdl import exchange as ex
 from tests.helpers import APPLIER_PROCESS, applier_for
 from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel, CorruptFile, Signer
-from hpcdl.storage import StorageReport
-from hpcdl.run_exchange import adopt_master_weights, group_exchange, run_channel
-from hpcdl.access import Access
-from hpcdl.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
-from hpcdl.runs import RunError, create_run
-from hpcdl.files import atomic_write_json
-from hpcdl.files import append_jsonl
+from hpcdl.fs.storage import StorageReport
+from hpcdl.rundir.run_exchange import adopt_master_weights, group_exchange, run_channel
+from hpcdl.fs.access import Access
+from hpcdl.rundir.runkey import RunKeyError, create_key, load_key, load_key_file, run_signer
+from hpcdl.rundir.runs import RunError, create_run
+from hpcdl.fs.files import atomic_write_json
+from hpcdl.fs.files import append_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides
 
 W = {"w": np.arange(8, dtype=np.float32), "b": np.zeros(2, np.float32)}
@@ -82,7 +82,7 @@ def test_run_directory_is_owner_only_under_umask_000(tmp_path, umask000):
             assert m == 0o600, (rel, oct(m))
     assert {"groups/0", "groups/1", "scheduler", "run.key", "job.toml", "run.json",
             "groups/0/storage.json"} <= set(modes)
-    # Written later through hpcdl.runs, still under umask 000:
+    # Written later through hpcdl.rundir.runs, still under umask 000:
     atomic_write_json(final.root / "groups/0/state.json", {"state": "running"})
     append_jsonl(final.root / "groups/0/metrics.jsonl", {"step": 1})
     atomic_write_json(final.root / "eval/new/deep.json", {})

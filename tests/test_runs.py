@@ -6,10 +6,10 @@ import pytest
 from click.testing import CliRunner
 
 from hpcdl.cli import main
-from hpcdl.files import append_jsonl, read_jsonl
+from hpcdl.fs.files import append_jsonl, read_jsonl
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunError, RunIdTaken, create_run, find_run, list_runs
-from hpcdl.files import atomic_write_json
+from hpcdl.rundir.runs import RunError, RunIdTaken, create_run, find_run, list_runs
+from hpcdl.fs.files import atomic_write_json
 from tests.conftest import BINARY, TRUNCATED, one_error_line
 
 

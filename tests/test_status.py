@@ -1,4 +1,4 @@
-"""hpcdl.status on recorded run files: a group's state in hpcdl's words with SLURM's beside it,
+"""hpcdl.commands.status on recorded run files: a group's state in hpcdl's words with SLURM's beside it,
 the run's state from every group's, why a group did not finish, restarts by kind, and the table."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from click.testing import CliRunner
 from rich.console import Console
 
 from hpcdl.cli import main
-from hpcdl.display import status_view
-from hpcdl.files import append_jsonl
+from hpcdl.commands.display import status_view
+from hpcdl.fs.files import append_jsonl
 from hpcdl.jobfile import load_job
-from hpcdl.lifecycle import RestartTally
-from hpcdl.runs import RunDir, State, create_run
-from hpcdl.files import atomic_write_json
+from hpcdl.process.lifecycle import RestartTally
+from hpcdl.rundir.runs import RunDir, State, create_run
+from hpcdl.fs.files import atomic_write_json
 from hpcdl.schedulers.slurm import parse_sacct
-from hpcdl.status import collect, group_state_of, run_state
+from hpcdl.commands.status import collect, group_state_of, run_state
 from tests.conftest import BINARY, one_error_line
 
 # The run's state for a pair of group states, the most telling first (run_state's docstring).

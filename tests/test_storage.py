@@ -21,10 +21,10 @@ import pytest
 
 from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel
-from hpcdl.runs import create_run
-from hpcdl.files import atomic_write_json
-from hpcdl.files import append_jsonl, read_jsonl
-from hpcdl.storage import (
+from hpcdl.rundir.runs import create_run
+from hpcdl.fs.files import atomic_write_json
+from hpcdl.fs.files import append_jsonl, read_jsonl
+from hpcdl.fs.storage import (
     REPORT_FILE, REPORT_SIZE, StorageReport, attempt, is_storage_full, read_report, save_checkpoint,
 )
 from tests.conftest import REPO, tiny_overrides
@@ -126,7 +126,7 @@ def test_metrics_append_cut_back_after_an_injected_short_write(tmp_path, monkeyp
             return real_write(fd, data)
         return real_write(fd, bytes(data)[:7])  # a partial line, then the disk is full
 
-    monkeypatch.setattr("hpcdl.runs.os.write", short)
+    monkeypatch.setattr("hpcdl.rundir.runs.os.write", short)
     with pytest.raises(OSError) as info:
         append_jsonl(path, {"step": 2})
     assert info.value.errno == errno.ENOSPC
@@ -211,9 +211,9 @@ import tensorflow as tf
 from hpcdl.engine.collective import join_group
 from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
-from hpcdl.group_files import GroupRecorder
-from hpcdl.storage import REPORT_FILE, StorageReport
-from hpcdl.worker import group_task
+from hpcdl.rundir.group_files import GroupRecorder
+from hpcdl.fs.storage import REPORT_FILE, StorageReport
+from hpcdl.process.worker import group_task
 from hpcdl.workloads import get_workload
 
 out, ckdir, overrides, fail_at = Path(sys.argv[1]), Path(sys.argv[2]), json.loads(sys.argv[3]), set(json.loads(sys.argv[4]))
@@ -290,8 +290,8 @@ def test_training_goes_on_through_failed_writes(hep_files, tmp_path, tiny_fs):
 def test_status_shows_storage_problems(tmp_path):
     from rich.console import Console
 
-    from hpcdl.display import status_view
-    from hpcdl.status import collect
+    from hpcdl.commands.display import status_view
+    from hpcdl.commands.status import collect
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.nodes=2", "run.group_size=1"])
     with create_run(job, "local") as (_, run):

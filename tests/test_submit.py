@@ -1,4 +1,4 @@
-"""hpcdl.submit: one launch pipeline for a new run and a resumed one (prepare_launch), the job file
+"""hpcdl.commands.submit: one launch pipeline for a new run and a resumed one (prepare_launch), the job file
 read once, the CLI's options reaching the job as typed values."""
 
 import json
@@ -12,10 +12,10 @@ import hpcdl.jobfile as jobfile
 from hpcdl.cli import main
 from hpcdl.errors import JobError
 from hpcdl.jobfile import JOBS_DIR, load_job
-from hpcdl.resume import prepare_resume
-from hpcdl.runs import create_run
+from hpcdl.commands.resume import prepare_resume
+from hpcdl.rundir.runs import create_run
 from hpcdl.schedulers.base import DryRun, Scheduler
-from hpcdl.submit import Prepared, prepare, submit_run
+from hpcdl.commands.submit import Prepared, prepare, submit_run
 from tests.conftest import BINARY, one_error_line, set_args, tiny_overrides
 
 
@@ -149,7 +149,7 @@ class Recording(Scheduler):
 
 
 def test_a_run_id_collision_is_retried_with_a_new_id(tmp_path, hep_files, monkeypatch):
-    import hpcdl.submit as submit
+    import hpcdl.commands.submit as submit
 
     runs = tmp_path / "runs"
     prepared = prepare("hep", tiny_overrides(hep_files, runs), cluster={})

@@ -8,7 +8,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hpcdl.files import read_jsonl
+from hpcdl.fs.files import read_jsonl
 from tests.conftest import HPCDL, set_args, tiny_overrides
 
 

@@ -28,7 +28,7 @@ ALLREDUCE_CONFIGS = {
 
 def allreduce_round(b: Bench, name: str, reps: int) -> list[float]:
     """One fresh 4-rank group of bench.allreduce_rank under one controller: rank 0's timings."""
-    from hpcdl.launch import find_mpi_launcher, local_group, start_rendezvous, worker_environ
+    from hpcdl.process.launch import find_mpi_launcher, local_group, start_rendezvous, worker_environ
 
     controller, extra, _ = ALLREDUCE_CONFIGS[name]
     argv = module_argv("allreduce_rank", "--reps", str(reps))
@@ -62,7 +62,7 @@ def allreduce_round(b: Bench, name: str, reps: int) -> list[float]:
 
 
 def run(b: Bench) -> None:
-    from hpcdl.launch import find_mpi_launcher
+    from hpcdl.process.launch import find_mpi_launcher
 
     launcher = find_mpi_launcher()
     probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow as h; print(h.mpi_built())"],

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from bench.harness import Bench, BenchError, best, gf, loadavg, log, median
 from bench.local_runs import CpuTracker, data_sets, generated, metrics, submit
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 
 GOAL = 0.6  # the sustained FLOP/s' share of the peak
 

@@ -27,7 +27,7 @@ def load_result(name: str) -> dict[str, Any]:
 def save(fig, name: str) -> Path:
     """Write a figure as docs/figures/<name>.png with fixed metadata, so a redraw of unchanged
     inputs gives the same bytes."""
-    from hpcdl.files import atomic_path
+    from hpcdl.fs.files import atomic_path
 
     out = FIGURES / f"{name}.png"
     with atomic_path(out) as tmp:

@@ -1,6 +1,6 @@
 """The applier: the parameter-server role of the hybrid scheme (Kurth et al., SC17).
 
-A process of its own (``python -m hpcdl.worker RUN --applier``): numpy, its compiled update
+A process of its own (``python -m hpcdl.process.worker RUN --applier``): numpy, its compiled update
 kernels (numba, :mod:`hpcdl.applier.kernels`) and the stdlib, no TensorFlow. It keeps
 the master weights and its own optimizer, applies each group's update (the group-averaged
 gradient published by the group root through :class:`hpcdl.exchange.Channel`) in arrival order,
@@ -66,7 +66,7 @@ stay the older generation's -- commits that at once, moves the damaged file to
 ``applier/rejected/`` and says so in its log and in status.json (``recovered``); an update the
 lost generation had processed whose file is still pending is a duplicate, never applied twice.
 With no usable generation (both damaged, or the events log does not reach back to the older
-one) the applier raises ``StateLost``: ``python -m hpcdl.worker RUN --applier`` prints it as one
+one) the applier raises ``StateLost``: ``python -m hpcdl.process.worker RUN --applier`` prints it as one
 line, writes status.json with ``phase`` "failed" and ``error``, and exits ``EXIT_USER_ERROR``,
 which no restart retries and the run's exit status reports.
 
@@ -82,7 +82,7 @@ on the exchange directory itself (OSError) make :meth:`Applier.run` reload the d
 retry with backoff; it does not process anything until that reload has succeeded.
 
 Authentication: the applier reads and writes with its channel's signer. A run's applier
-(``python -m hpcdl.worker RUN --applier``) uses the run's key, so an update, proposal or state
+(``python -m hpcdl.process.worker RUN --applier``) uses the run's key, so an update, proposal or state
 written without it (missing tag, plain SHA-256 tag, or a keyed tag under another key) is rejected as
 ``rejected_corrupt`` with a reason that says so, logged and moved aside like any corrupt file.
 An update file larger than the master's tensors can need (every element as 8 bytes, plus the
@@ -105,7 +105,7 @@ as version 0, deleting the others.
 
 Status for humans and tools
 ===========================
-``applier/storage.json``: storage problems (see :mod:`hpcdl.storage`).
+``applier/storage.json``: storage problems (see :mod:`hpcdl.fs.storage`).
 ``applier/events.jsonl``: one JSON object a line (rotated to ``events.jsonl.1`` past
 ``events_max_bytes``; readers skip a line that does not parse, e.g. one torn by a crash): ``event_id``, ``time``, ``event`` (applied |
 dropped | rejected | duplicate | vanished | init | adopted), ``group``, ``seq``, ``base_version``,
@@ -115,7 +115,7 @@ idle): ``phase``, ``master_version``, ``counts``, ``backlog``, ``staleness`` {co
 ``last_apply_time``, ``last_seq`` per group, ``pid``, ``host``, ``error`` (why it failed),
 ``recovered`` (how it came back from a damaged state), ``updated``.
 
-Signals (``hpcdl.worker``'s applier process): SIGTERM and SIGINT make it finish the update in
+Signals (``hpcdl.process.worker``'s applier process): SIGTERM and SIGINT make it finish the update in
 progress, commit, and exit 0; SIGUSR1 (SLURM's warning before the time limit) the same, then it
 asks to be requeued.
 """

@@ -18,8 +18,8 @@ from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.rules import make_rule
 from hpcdl.applier.state import DurableState, StateLost, new_stats
 from hpcdl.exchange import ALIGN, MAX_HEADER_BYTES, PREFIX_SIZE, Channel, CorruptFile, UpdateRef
-from hpcdl.files import append_jsonl, atomic_write_bytes, read_jsonl
-from hpcdl.storage import StorageReport, is_storage_full
+from hpcdl.fs.files import append_jsonl, atomic_write_bytes, read_jsonl
+from hpcdl.fs.storage import StorageReport, is_storage_full
 
 try:
     import fcntl

@@ -10,7 +10,7 @@ gradient and adopt newer master weights; the adoption is decided by the root and
 all ranks of the group switch weights at the same step.
 
 Rank 0 of the group records metrics, validation, checkpoints and the manifest that says how to
-rebuild the model through the `Recorder` its caller gives (hpcdl.group_files); checkpoints are
+rebuild the model through the `Recorder` its caller gives (hpcdl.rundir.group_files); checkpoints are
 TensorFlow checkpoints, in the directory the caller names.
 """
 
@@ -77,7 +77,7 @@ class GroupSync(Protocol):
 
 
 class Recorder(Protocol):
-    """Rank 0's record of its group (implemented in hpcdl.group_files, over the run directory)."""
+    """Rank 0's record of its group (implemented in hpcdl.rundir.group_files, over the run directory)."""
 
     def manifest(self, input_shape, variable_names: list[str]) -> None:
         """How to rebuild the model, beside its checkpoints."""
@@ -102,7 +102,7 @@ class Recorder(Protocol):
 
 
 class StepLog(Protocol):
-    """Each rank's own time of every step (hpcdl.steptimes)."""
+    """Each rank's own time of every step (hpcdl.rundir.steptimes)."""
 
     def record(self, step: int, seconds: float) -> None: ...
 
@@ -274,7 +274,7 @@ def train_group(task: GroupTask, comm: Collective, checkpoints: Path, *,
     before the time limit) is agreed on by all ranks at each step: the group checkpoints and
     returns early with `stopped=True`. `report` adds fixed fields to every metrics record.
     `pace(step, started)`, called after each step with the step's start (perf_counter), may stretch
-    it (the straggler emulator, hpcdl.emulate) and returns the seconds it stretches it to. Each
+    it (the straggler emulator, hpcdl.process.emulate) and returns the seconds it stretches it to. Each
     rank records its own time of every step in `step_times`: its forward and backward, or the
     emulated time if longer. Every rank restores from and rank 0 saves to `checkpoints`.
     Validation runs every `train.validate_every` steps and at the end; with an exchange, at the

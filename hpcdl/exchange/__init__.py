@@ -77,7 +77,7 @@ overload an update may be applied in some shards and dropped in others, as the p
 per-layer servers took each layer's gradient on its own. With K = 1 the exchange directory is
 the one channel and no partition is recorded.
 
-Publishing (all writers, all file kinds; implemented once, in :mod:`hpcdl.files`)
+Publishing (all writers, all file kinds; implemented once, in :mod:`hpcdl.fs.files`)
 ==================================================================================
 1. write the complete file under ``.tmp-<uuid hex>-<final name>`` in the destination directory,
 2. flush and ``fsync`` it,
@@ -141,13 +141,13 @@ nonce is 16 random bytes drawn per file and kept in the tag field (a one-time au
 never tag two messages under one key; 128-bit random nonces do not repeat). A keyed reader also
 accepts ``hmac-sha256`` tags (HMAC-SHA256 under the key, the 32-byte field; what earlier versions
 wrote), and refuses a file whose ``tag_alg`` is neither, in particular a keyless one (no
-downgrade). A run's channels use the run's key (:func:`hpcdl.runkey.run_signer`),
+downgrade). A run's channels use the run's key (:func:`hpcdl.rundir.runkey.run_signer`),
 so a file written without it -- by another user, another run, a stale process -- is rejected like
 a corrupt one (the applier counts it under ``rejected_corrupt`` and moves it aside).
 
 Permissions
 ===========
-Directories and files get their modes from the Channel's :class:`hpcdl.access.Access`, never from
+Directories and files get their modes from the Channel's :class:`hpcdl.fs.access.Access`, never from
 the process umask: owner only by default (directories 0700, files 0600), group only when the job
 names a unix group (2770 / 0660). A directory the channel creates gets the policy; an existing
 subdirectory of ours that is looser is tightened; an existing root is left as it is (it may be

@@ -22,9 +22,9 @@ import numpy as np
 from hpcdl.exchange.format import (
     MAX_HEADER_BYTES, CorruptFile, Signer, Tensors, _is_int, read_file, write_file,
 )
-from hpcdl.files import TMP_PREFIX
-from hpcdl.storage import REPORT_FILE
-from hpcdl.access import Access
+from hpcdl.fs.files import TMP_PREFIX
+from hpcdl.fs.storage import REPORT_FILE
+from hpcdl.fs.access import Access
 
 log = logging.getLogger("hpcdl.exchange")
 
@@ -100,7 +100,7 @@ class Channel:
 
     ``max_pending_per_group``: when set, publish_update keeps at most this many pending updates of
     the publishing group, deleting that group's oldest ones. ``signer``: the tag (plain SHA-256 by
-    default; a run's channels pass :func:`hpcdl.runkey.run_signer`). ``access``: modes of the
+    default; a run's channels pass :func:`hpcdl.rundir.runkey.run_signer`). ``access``: modes of the
     directories and files (owner only by default). ``fsync=False`` skips fsyncs (tests, local
     scratch); publishing stays atomic.
     """

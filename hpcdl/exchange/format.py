@@ -1,4 +1,4 @@
-"""The exchange file format: encoding and validation of one file (published by hpcdl.files).
+"""The exchange file format: encoding and validation of one file (published by hpcdl.fs.files).
 
 The format and the reader's checks are specified in :mod:`hpcdl.exchange`'s docstring (the
 protocol); this module is their one implementation. numpy, the stdlib and
@@ -22,8 +22,8 @@ import numpy as np
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from hpcdl.errors import HpcdlError
-from hpcdl.files import atomic_write
-from hpcdl.access import Access
+from hpcdl.fs.files import atomic_write
+from hpcdl.fs.access import Access
 
 MAGIC = b"HPCDLX\r\n"
 FORMAT_VERSION = 1

@@ -20,8 +20,8 @@ could kill the start), while afterwards a second update in flight hides the appl
 behind the next step instead of waiting for it. On start and on restart the root takes the newest master weights (or
 proposes its own, so that all groups start from the same version 0).
 
-Every channel of a run is keyed by the run's secret (`run.key`, see hpcdl.runkey): files written
-without it are rejected by the applier and by the groups (hpcdl.run_exchange binds a run's
+Every channel of a run is keyed by the run's secret (`run.key`, see hpcdl.rundir.runkey): files written
+without it are rejected by the applier and by the groups (hpcdl.rundir.run_exchange binds a run's
 directory, key and access policy to its channels).
 
 A publish that fails because the disk or the quota is full (ENOSPC, EDQUOT) leaves nothing behind
@@ -44,7 +44,7 @@ import numpy as np
 
 from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition
-from hpcdl.storage import StorageReport, is_storage_full
+from hpcdl.fs.storage import StorageReport, is_storage_full
 
 log = logging.getLogger("hpcdl.exchange.group")
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple, Sequence
 
 from hpcdl.config import DeltaDtype, ExchangeKind, choices
-from hpcdl.files import read_regular
+from hpcdl.fs.files import read_regular
 from hpcdl.perf.model import hep_network
 
 

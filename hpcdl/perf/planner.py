@@ -15,7 +15,7 @@ The planner is four small modules; this one gathers their public names:
 * :mod:`hpcdl.perf.simulate`: the exchange and the applier, event by event;
 * :mod:`hpcdl.perf.recommend`: the predictions per candidate, the two rules, the paper check.
 
-The text of a plan is rendered by :func:`hpcdl.display.plan_view`. What the paper reports, and
+The text of a plan is rendered by :func:`hpcdl.commands.display.plan_view`. What the paper reports, and
 how the paper check depends on the inputs recalled or assumed, is in README's Figures section.
 """
 

@@ -4,7 +4,7 @@ process, on a discrete-event clock (no sleeps, blind to the machine's load).
 Time. A group's step k lasts ``step_seconds`` times its slowest node's factor, plus the
 planner's allreduce T(P, n) (:func:`hpcdl.perf.model.allreduce_seconds`). The factor is either
 the straggler emulator's own draw, ``max_r X(seed, shard_r, k)`` over the group's emulated ranks
-(:func:`hpcdl.emulate.step_factor`, shard = group × size + rank, as a real run numbers its
+(:func:`hpcdl.process.emulate.step_factor`, shard = group × size + rank, as a real run numbers its
 ranks), or the planner's (:class:`PlannedStragglers`: :func:`hpcdl.perf.model.sample_group_slowest`
 over the P = `group_nodes` nodes of a group at the planned scale, which may exceed the emulated
 ranks: the race then learns at its own size on the time of the planned one).
@@ -45,7 +45,7 @@ import numpy as np
 from hpcdl.applier.config import ApplierConfig
 from hpcdl.applier.rules import make_rule
 from hpcdl.config import EmulateConfig
-from hpcdl.emulate import step_factor
+from hpcdl.process.emulate import step_factor
 from hpcdl.perf.inputs import PlanInputs
 from hpcdl.perf.model import allreduce_seconds, sample_group_slowest, slow_nodes_per_group, tree_collective_seconds
 

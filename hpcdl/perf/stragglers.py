@@ -1,7 +1,7 @@
 """The straggler model fitted to a run's measured step times, for the planner instead of a guess.
 
-Each rank records its own time of every step (hpcdl.steptimes). The planner's model of a node's
-step (:mod:`hpcdl.perf.model`, the emulator's too: hpcdl.emulate) is a factor X on an ordinary
+Each rank records its own time of every step (hpcdl.rundir.steptimes). The planner's model of a node's
+step (:mod:`hpcdl.perf.model`, the emulator's too: hpcdl.process.emulate) is a factor X on an ordinary
 step: lognormal with spread σ, times `stall_factor` with probability `stall_probability`, times
 `slow_factor` on persistently slow nodes. The fit, per rank r and step s with time t[r, s]:
 
@@ -30,8 +30,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from hpcdl.runs import RunDir
-from hpcdl.steptimes import read_step_times
+from hpcdl.rundir.runs import RunDir
+from hpcdl.rundir.steptimes import read_step_times
 
 SLOW_THRESHOLD = 1.15  # a rank's median over the others': slow beyond this
 STALL_SIGMAS = 4.0  # steps further above the body than this many σ are stalls (3e-5 by chance)

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from hpcdl.config import Job
 from hpcdl.errors import HpcdlError, JobError
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 
 
 class SchedulerError(HpcdlError, RuntimeError):
@@ -61,7 +61,7 @@ def controller_facts(job: Job | None) -> dict[str, Any]:
     "mpi4py" what keeps mpi4py from loading an MPI library, if anything."""
     if job is None or not job.run.mpi_launched:
         return {}
-    from hpcdl.launch import horovod_built, mpi4py_problem
+    from hpcdl.process.launch import horovod_built, mpi4py_problem
 
     if job.run.controller == "mpi":
         return {"horovod_mpi": horovod_built("mpi")}

@@ -1,9 +1,9 @@
 """The embedded backend: a run's groups as processes on this machine, watched by a supervisor.
 
 Each group is its own Horovod world. With `run.controller = "gloo"` the supervisor starts one
-Horovod HTTP rendezvous per group and the group's ranks as `python -m hpcdl.worker RUN` with
+Horovod HTTP rendezvous per group and the group's ranks as `python -m hpcdl.process.worker RUN` with
 Horovod's variables set (no ssh, no horovodrun); with `"mpi"` it starts one `mpirun` per group
-(`python -m hpcdl.worker RUN --mpi` under it) and no rendezvous. When the exchange is on, the
+(`python -m hpcdl.process.worker RUN --mpi` under it) and no rendezvous. When the exchange is on, the
 applier runs as one more process. A group whose rank dies is stopped whole and started again
 (bounded retries, growing backoff); it resumes from its newest checkpoint and the newest master
 weights. The supervisor publishes its view to `scheduler/local.json`, so `hpcdl status` and
@@ -24,16 +24,16 @@ from typing import Any, Callable
 
 from hpcdl.config import Job
 from hpcdl.errors import JobError
-from hpcdl.launch import (
+from hpcdl.process.launch import (
     RENDEZVOUS_PORT_ENV, SUPERVISOR_PID_ENV, MpiLauncher, find_mpi_launcher, local_group, open_mpi_root_allowed, start_rendezvous,
     worker_environ,
 )
-from hpcdl.lifecycle import ApplierLife, GroupLife, Popened, applier_command, worker_command
-from hpcdl.access import Access
-from hpcdl.runs import RunDir, RunError, State, read_json_file
-from hpcdl.files import atomic_write_json
+from hpcdl.process.lifecycle import ApplierLife, GroupLife, Popened, applier_command, worker_command
+from hpcdl.fs.access import Access
+from hpcdl.rundir.runs import RunDir, RunError, State, read_json_file
+from hpcdl.fs.files import atomic_write_json
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
-from hpcdl.storage import StorageReport, attempt
+from hpcdl.fs.storage import StorageReport, attempt
 
 # A rank per core is best; a few may share one: tests, a small hybrid run, and the hybrid race's
 # 8 emulated ranks + applier on 2 cores (bench/hybrid_race.py), whose pace is set by sleeps.
@@ -77,7 +77,7 @@ def local_plan(job: Job, run: RunDir, python: str, cluster: dict[str, Any]) -> l
 class LocalLaunch:
     """Starts the planned processes (`local_plan`): a group's ranks with a rendezvous of their
     own (Gloo) or its one mpirun, a shard's applier. Every child ends with the supervisor
-    (hpcdl.launch.follow_supervisor)."""
+    (hpcdl.process.launch.follow_supervisor)."""
 
     run: RunDir
     job: Job
@@ -114,7 +114,7 @@ class LocalLaunch:
 
 
 class Supervisor:
-    """Runs a run's group lives and the appliers' life (hpcdl.lifecycle) on this machine, in the
+    """Runs a run's group lives and the appliers' life (hpcdl.process.lifecycle) on this machine, in the
     foreground or detached; one per run."""
 
     def __init__(self, run: RunDir, python: str = sys.executable, plan: list[tuple[str, list[str]]] | None = None):
@@ -180,7 +180,7 @@ class Supervisor:
 
     def shutdown(self, interval: float = 0.5) -> None:
         """Stop what still runs: every group at once (each checkpoints at its stop, in parallel;
-        hpcdl.lifecycle bounds the wait), then the appliers, which commit first."""
+        hpcdl.process.lifecycle bounds the wait), then the appliers, which commit first."""
         for life in self.groups.values():
             life.request_stop()
         while any([life.poll() for life in self.groups.values()]):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpcdl.config import RUNS_DIR
 from hpcdl.errors import JobError
-from hpcdl.runs import RunDir, RunError, find_run, list_runs
+from hpcdl.rundir.runs import RunDir, RunError, find_run, list_runs
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import Scheduler, SchedulerError
 
@@ -31,7 +31,7 @@ def choose_backend() -> tuple[str, str]:
 def choose_controller(python: str = sys.executable) -> tuple[str, str]:
     """run.controller = "auto": (controller, why). Horovod over Gloo where it loads (it needs no
     MPI launcher), else mpi4py where it loads an MPI; neither: a JobError saying what to install."""
-    from hpcdl.launch import horovod_built, mpi4py_problem
+    from hpcdl.process.launch import horovod_built, mpi4py_problem
 
     if horovod_built("gloo"):
         return "gloo", "run.controller = auto: Horovod with Gloo loads here"

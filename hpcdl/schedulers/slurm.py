@@ -23,8 +23,8 @@ from hpcdl.config import Job
 from hpcdl.errors import JobError
 from hpcdl.engine.tuning import plan_threads
 from hpcdl.resources import shipped_dir
-from hpcdl.runs import RunDir, RunError, State, read_json_file
-from hpcdl.files import atomic_write_bytes, atomic_write_json
+from hpcdl.rundir.runs import RunDir, RunError, State, read_json_file
+from hpcdl.fs.files import atomic_write_bytes, atomic_write_json
 from hpcdl.schedulers.base import (
     DryRun, Scheduler, SchedulerError, SubmitRequest, check_controller, controller_facts,
 )
@@ -178,7 +178,7 @@ def srun_command(job: Job, python: str, run: RunDir) -> list[str]:
     options.append(f"--ntasks-per-node={job.run.ranks_per_node}")
     if s.cpus_per_task:
         options.append(f"--cpus-per-task={s.cpus_per_task}")
-    return ["srun", *options, python, "-m", "hpcdl.worker", str(run.root), "--slurm"]
+    return ["srun", *options, python, "-m", "hpcdl.process.worker", str(run.root), "--slurm"]
 
 
 def ranks_environment(job: Job) -> dict[str, str]:

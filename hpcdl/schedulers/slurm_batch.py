@@ -1,6 +1,6 @@
 """The batch steps of a SLURM run: `python -m hpcdl.schedulers.slurm_batch group|applier RUN_DIR`,
 the launch line of the rendered scripts (hpcdl.schedulers.slurm). Each runs the life of
-hpcdl.lifecycle under SLURM: a group's ranks as one srun, requeued (exactly its array element) to
+hpcdl.process.lifecycle under SLURM: a group's ranks as one srun, requeued (exactly its array element) to
 go on after the warning signal or a crash; the appliers of every shard, requeued after a commit.
 """
 
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Callable
 
 from hpcdl.config import Job
-from hpcdl.launch import expand_nodelist, slurm_group_plan, start_rendezvous
-from hpcdl.lifecycle import (
+from hpcdl.process.launch import expand_nodelist, slurm_group_plan, start_rendezvous
+from hpcdl.process.lifecycle import (
     EXIT_FAILED, EXIT_USER_ERROR, ApplierLife, GroupLife, Popened, applier_command,
 )
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 from hpcdl.schedulers.slurm import parse_preempt_time, ranks_environment, srun_command
 
 

@@ -90,7 +90,7 @@ class Workload(ABC):
         writes into a new directory inside `out_dir`; the files it returns are moved into
         `out_dir` together when it returns, so a generator that fails leaves the older set whole
         and nothing of its own behind."""
-        from hpcdl.files import fsync_dir
+        from hpcdl.fs.files import fsync_dir
 
         generator = importlib.import_module(self.generator_module)  # numpy and h5py only, when asked
         out_dir = Path(out_dir)

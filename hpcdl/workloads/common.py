@@ -11,7 +11,7 @@ This module owns, for :mod:`hpcdl.workloads.hep` and :mod:`hpcdl.workloads.clima
   :func:`check_splits` (train/val/test fractions and the split sizes they give) and
   :func:`write_splits` (``train.h5``, ``val.h5``, ``test.h5``, replaced together, written in a
   child process);
-* **atomic output files**: :func:`hpcdl.files.atomic_path`; PNG figures (:func:`new_figure`,
+* **atomic output files**: :func:`hpcdl.fs.files.atomic_path`; PNG figures (:func:`new_figure`,
   :func:`save_png`); ``.npz``/``.csv`` result tables (:func:`table_format`, :func:`csv_lines`).
 
 What a workload means by its data (layouts, shapes, physics, metrics) stays in the workload; the
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Sequence, Tupl
 
 import numpy as np
 
-from hpcdl.files import atomic_path, atomic_paths
+from hpcdl.fs.files import atomic_path, atomic_paths
 from hpcdl.errors import HpcdlError
 
 if TYPE_CHECKING:

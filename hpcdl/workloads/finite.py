@@ -67,7 +67,7 @@ def _remembered(key: str) -> bool:
 
 
 def _remember(key: str, path: Path) -> None:
-    from hpcdl.files import atomic_write_bytes
+    from hpcdl.fs.files import atomic_write_bytes
 
     try:
         cache_dir().mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,7 @@ import pytest
 
 from hpcdl.applier import Applier
 from hpcdl.exchange import Channel
-from hpcdl.storage import REPORT_FILE, read_report
+from hpcdl.fs.storage import REPORT_FILE, read_report
 from tests.helpers import applier_for
 from tests.helpers.full_disk import fill, problems, temporaries
 
@@ -75,7 +75,7 @@ def test_applier_on_a_full_tmpfs(tiny_fs):
 def test_applier_with_injected_enospc_in_events_and_state(tmp_path, monkeypatch):
     ch = Channel(tmp_path / "x", "run", fsync=False)
     import hpcdl.exchange.channel as ex  # the module that writes the durable state
-    import hpcdl.files as ap  # the module that appends the events
+    import hpcdl.fs.files as ap  # the module that appends the events
 
     real_write = ap.os.write
     real_write_file = ex.write_file

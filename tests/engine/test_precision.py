@@ -13,9 +13,9 @@ import tensorflow as tf
 
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.doctor import bf16_label
+from hpcdl.commands.doctor import bf16_label
 from hpcdl.engine.optim import make_optimizer
-from hpcdl.submit import check_precision
+from hpcdl.commands.submit import check_precision
 from hpcdl.engine.tuning import CpuInfo, compute_dtype, parse_cpuinfo, precision_policy, read_cpuinfo
 from hpcdl.workloads.hep.config import HepModelConfig
 from hpcdl.workloads.hep.workload import WORKLOAD
@@ -77,8 +77,8 @@ def test_check_precision_at_submit():
 @pytest.mark.skipif(read_cpuinfo().bf16, reason="this CPU has a bfloat16 unit: the rank would train")
 def test_a_rank_refuses_mixed_bfloat16_before_tensorflow_loads(hep_files, tmp_path):
     # under SLURM submit cannot see the compute nodes' CPU: the rank is the one that refuses
-    from hpcdl.launch import RankEnv
-    from hpcdl.runs import create_run, new_run_id
+    from hpcdl.process.launch import RankEnv
+    from hpcdl.rundir.runs import create_run, new_run_id
     from tests.conftest import tiny_overrides
 
     job = load_job("hep", tiny_overrides(hep_files, tmp_path / "runs") + ["tuning.precision=mixed_bfloat16"])
@@ -87,7 +87,7 @@ def test_a_rank_refuses_mixed_bfloat16_before_tensorflow_loads(hep_files, tmp_pa
     rank = RankEnv(rank=0, size=1, local_rank=0, local_size=1, cross_rank=0, cross_size=1, hostname="localhost",
                    group=0)
     env = {**os.environ, **rank.to_horovod_env("127.0.0.1", 1, "")}
-    out = subprocess.run([sys.executable, "-m", "hpcdl.worker", str(final.root)], env=env,
+    out = subprocess.run([sys.executable, "-m", "hpcdl.process.worker", str(final.root)], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [

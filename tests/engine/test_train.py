@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 
-from hpcdl.launch import local_group, start_rendezvous, worker_environ
+from hpcdl.process.launch import local_group, start_rendezvous, worker_environ
 from tests.conftest import REPO, tiny_overrides
 
 

@@ -7,7 +7,7 @@ import pytest
 from hpcdl.errors import JobError
 from hpcdl.config import TuningConfig
 from hpcdl.jobfile import load_job
-from hpcdl.launch import slurm_cpus_per_task
+from hpcdl.process.launch import slurm_cpus_per_task
 from hpcdl.engine.tuning import (
     CpuInfo,
     ThreadPlan,

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hpcdl import exchange as ex
-from hpcdl import files
+from hpcdl.fs import files
 from hpcdl.exchange import Channel, CorruptFile, Signer
 from tests.conftest import REPO
 

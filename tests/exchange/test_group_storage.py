@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hpcdl import files
+from hpcdl.fs import files
 from hpcdl.exchange import Channel
 from hpcdl.exchange.group import ExchangeSync
-from hpcdl.storage import REPORT_FILE, StorageReport, read_report
+from hpcdl.fs.storage import REPORT_FILE, StorageReport, read_report
 from tests.helpers.full_disk import fill, problems, temporaries
 
 

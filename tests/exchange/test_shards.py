@@ -15,9 +15,9 @@ from hpcdl.jobfile import load_job
 from hpcdl.exchange import Channel
 from hpcdl.exchange.shards import Partition, PartitionMismatch, Piece
 from hpcdl.exchange.group import ExchangeSync
-from hpcdl.run_exchange import record_partition
-from hpcdl.runs import create_run
-from hpcdl.files import read_jsonl
+from hpcdl.rundir.run_exchange import record_partition
+from hpcdl.rundir.runs import create_run
+from hpcdl.fs.files import read_jsonl
 from tests.conftest import HPCDL, REPO, set_args, tiny_overrides, wait_for
 
 F4 = "<f4"
@@ -239,7 +239,7 @@ def test_two_shards_train_through_a_kill_9_of_one_and_evaluate_the_joined_master
 
 # -- submit ---------------------------------------------------------------------------------------
 def test_submit_resolves_auto_and_the_local_dry_run_lists_one_applier_per_shard(tmp_path):
-    from hpcdl.submit import prepare
+    from hpcdl.commands.submit import prepare
 
     base = [f'run.runs_dir="{tmp_path}"', "run.backend=local", "run.check_data=false"]
     notes = []
@@ -255,7 +255,7 @@ def test_submit_resolves_auto_and_the_local_dry_run_lists_one_applier_per_shard(
 def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
     """The planner's bytes and FLOPs are the job's network at its data's size (climate too), or
     the HEP network at 224², said, when the data cannot be read at submit."""
-    from hpcdl.submit import prepare
+    from hpcdl.commands.submit import prepare
     from hpcdl.workloads import get_workload
     from hpcdl.workloads.climate.generate import generate
 
@@ -286,7 +286,7 @@ def test_auto_shards_at_submit_does_not_load_tensorflow(tmp_path):
     climate = generate(tmp_path / "climate", 12, height=32, width=48, labelled_fraction=0.5, seed=1)
     code = (
         "import sys\n"
-        "from hpcdl.submit import prepare\n"
+        "from hpcdl.commands.submit import prepare\n"
         f"job = prepare('climate', ['run.runs_dir=\"{tmp_path}\"', 'run.backend=local', 'run.nodes=4',"
         f" 'run.group_size=1', 'exchange.shards=\"auto\"', 'data.train=\"{climate['train']}\"',"
         f" 'data.val=\"{climate['val']}\"'], "

@@ -12,9 +12,9 @@ import numpy as np
 from hpcdl.engine.collective import join_group
 from hpcdl.jobfile import load_job
 from hpcdl.engine.train import GroupRoot, train_group
-from hpcdl.group_files import GroupRecorder
-from hpcdl.storage import StorageReport
-from hpcdl.worker import group_task
+from hpcdl.rundir.group_files import GroupRecorder
+from hpcdl.fs.storage import StorageReport
+from hpcdl.process.worker import group_task
 from hpcdl.workloads import get_workload
 
 

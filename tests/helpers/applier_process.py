@@ -1,7 +1,7 @@
 """One applier as a process of its own, for tests that kill it, signal it or run two at once:
 ``python tests/helpers/applier_process.py --exchange DIR --run-id ID [...]``.
 
-A run's applier is ``python -m hpcdl.worker RUN --applier`` (it reads the job); this builds the
+A run's applier is ``python -m hpcdl.process.worker RUN --applier`` (it reads the job); this builds the
 same :class:`hpcdl.applier.Applier` on a bare exchange directory, with ``--crash POINT[:N]``
 killing the process (SIGKILL) at the N-th pass through a commit's crash point.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig
 from hpcdl.exchange import Channel, CorruptFile, Signer
-from hpcdl.runkey import RunKeyError, load_key_file
+from hpcdl.rundir.runkey import RunKeyError, load_key_file
 
 
 def crash_at(spec: str | None):

@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from hpcdl.storage import read_report
+from hpcdl.fs.storage import read_report
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -310,7 +310,7 @@ def rendered(renderable, width: int = 400) -> str:
 
 
 def test_output_is_json_and_prints_every_assumption():
-    from hpcdl.display import plan_rows, plan_view
+    from hpcdl.commands.display import plan_rows, plan_view
 
     p = plan(PlanInputs.paper_cori_hep(), 9600)
     json.dumps(p.to_dict())
@@ -406,7 +406,7 @@ def test_paper_check_sensitivity_to_the_straggler_spread(sigma, inside):
 
 
 def test_paper_check_text():
-    from hpcdl.display import paper_check_text
+    from hpcdl.commands.display import paper_check_text
 
     text = paper_check_text(paper_check())
     assert "11.41" in text and "±15 %" in text and "9594 nodes in 9 groups" in text

@@ -13,13 +13,13 @@ from click.testing import CliRunner
 from hpcdl.cli import main
 from hpcdl.config import EmulateConfig
 from hpcdl.jobfile import load_job
-from hpcdl.emulate import Emulator
+from hpcdl.process.emulate import Emulator
 from hpcdl.perf.inputs import PlanInputs
 from hpcdl.perf.model import sample_slowest, slow_nodes_per_group
 from hpcdl.perf.recommend import evaluate
 from hpcdl.perf.stragglers import TooFewSteps, fit_stragglers
-from hpcdl.runs import create_run
-from hpcdl.steptimes import RECORD, StepTimeLog, read_step_times
+from hpcdl.rundir.runs import create_run
+from hpcdl.rundir.steptimes import RECORD, StepTimeLog, read_step_times
 
 
 def emulated_times(ranks: int, steps: int, **settings) -> list[list[float]]:

@@ -130,8 +130,8 @@ def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
     import subprocess as sp
 
     import hpcdl.schedulers.slurm as slurm
-    from hpcdl.runs import create_run
-    from hpcdl.files import atomic_write_json
+    from hpcdl.rundir.runs import create_run
+    from hpcdl.fs.files import atomic_write_json
     from hpcdl.schedulers.select import cancel_run
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path / "runs"}"', "run.backend=slurm"])
@@ -156,7 +156,7 @@ def test_bare_cancel_asks_an_unreachable_controller_once(tmp_path, monkeypatch):
     (False, "", "mpi4py"),  # an installation without Horovod still trains
 ])
 def test_auto_controller_is_the_collective_this_installation_has(monkeypatch, horovod_gloo, mpi4py_problem, chosen):
-    from hpcdl import launch
+    from hpcdl.process import launch
     from hpcdl.schedulers.select import choose_controller
 
     monkeypatch.setattr(launch, "horovod_built", lambda feature: horovod_gloo and feature == "gloo")
@@ -166,7 +166,7 @@ def test_auto_controller_is_the_collective_this_installation_has(monkeypatch, ho
 
 
 def test_auto_controller_with_neither_collective_is_refused_with_what_to_do(monkeypatch):
-    from hpcdl import launch
+    from hpcdl.process import launch
     from hpcdl.schedulers.select import choose_controller
 
     monkeypatch.setattr(launch, "horovod_built", lambda feature: False)
@@ -178,8 +178,8 @@ def test_auto_controller_with_neither_collective_is_refused_with_what_to_do(monk
 
 def test_the_installed_stack_gives_auto_its_default_and_job_toml_records_it(tmp_path):
     """Here Horovod is built with Gloo: a submit's job.toml says "gloo", not "auto"."""
-    from hpcdl.runs import RunDir
-    from hpcdl.submit import prepare_launch
+    from hpcdl.rundir.runs import RunDir
+    from hpcdl.commands.submit import prepare_launch
 
     job = load_job("hep", ["run.backend=local", "run.check_data=false"])
     prepared = prepare_launch(job, RunDir(tmp_path / "r"))

@@ -56,7 +56,7 @@ def tiny_runs_fs(tmp_path):
 def test_a_full_runs_directory_does_not_end_the_run(hep_files, tmp_path, tiny_runs_fs):
     """The supervisor cannot write scheduler/local.json on a full disk: it records the problem
     in scheduler/storage.json (reserved at submit) and goes on watching; the run goes on."""
-    from hpcdl.storage import read_report
+    from hpcdl.fs.storage import read_report
     from tests.helpers.full_disk import fill
 
     runs = tiny_runs_fs
@@ -192,8 +192,8 @@ def test_a_full_disk_across_the_end_of_training_loses_nothing(hep_files, tmp_pat
     room, nothing is dropped, status shows the real steps, and the run ends at once."""
     import subprocess
 
-    from hpcdl.files import read_jsonl
-    from hpcdl.storage import recorded_checkpoint
+    from hpcdl.fs.files import read_jsonl
+    from hpcdl.fs.storage import recorded_checkpoint
     from tests.conftest import HPCDL
     from tests.helpers.full_disk import fill
 

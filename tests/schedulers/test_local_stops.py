@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from hpcdl.jobfile import load_job
-from hpcdl.runs import create_run
-from hpcdl.files import read_jsonl
+from hpcdl.rundir.runs import create_run
+from hpcdl.fs.files import read_jsonl
 from hpcdl.schedulers.local import Supervisor
 from tests.conftest import HPCDL, set_args, tiny_overrides, wait_for
 
@@ -108,7 +108,7 @@ def test_sigterm_to_the_ranks_checkpoints_at_the_stop(hep_files, tmp_path):
 
 # -- the supervisor lets the applier drain ------------------------------------------------------
 FAKE_PYTHON = """#!/bin/bash
-# stands in for `python -m hpcdl.worker RUN [--applier]`
+# stands in for `python -m hpcdl.process.worker RUN [--applier]`
 run="$3"
 if [ "$4" = --applier ]; then
   trap 'echo terminated > "$run/applier.end"; exit 0' TERM
@@ -159,7 +159,7 @@ def test_a_stop_signal_while_the_applier_starts_is_not_lost(hybrid_run, signum, 
     """The worker's first handler only records a signal; the applier, once built, must honour it
     (the supervisor killed -9 while its applier was still loading left it running for ever)."""
     run, _ = hybrid_run
-    script = ("import sys; from hpcdl.runs import RunDir; from hpcdl.worker import serve_applier; from pathlib import Path; "
+    script = ("import sys; from hpcdl.rundir.runs import RunDir; from hpcdl.process.worker import serve_applier; from pathlib import Path; "
               f"run = RunDir(Path(sys.argv[1])); sys.exit(serve_applier(run, run.load_job(), early_signal=lambda: {int(signum)}))")
     done = subprocess.run([sys.executable, "-c", script, str(run.root)], capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
@@ -172,7 +172,7 @@ def test_the_applier_ends_once_the_supervisor_saw_every_group_end(hybrid_run):
     run, _ = hybrid_run
     run.groups_ended_mark.parent.mkdir(parents=True, exist_ok=True)
     run.groups_ended_mark.touch()
-    script = ("import sys; from hpcdl.runs import RunDir; from hpcdl.worker import serve_applier; from pathlib import Path; "
+    script = ("import sys; from hpcdl.rundir.runs import RunDir; from hpcdl.process.worker import serve_applier; from pathlib import Path; "
               "run = RunDir(Path(sys.argv[1])); sys.exit(serve_applier(run, run.load_job()))")
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script, str(run.root)], capture_output=True, text=True, timeout=120)

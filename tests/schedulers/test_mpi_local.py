@@ -8,7 +8,7 @@ import pytest
 
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.local import LocalScheduler, check_local_mpi
 from tests.conftest import mpi_test_env, set_args, tiny_overrides
@@ -124,6 +124,6 @@ def test_the_local_dry_run_shows_one_mpirun_per_group(tmp_path):
     assert len(groups) == 2
     assert groups[1] == ["env", "HOROVOD_CONTROLLER=mpi", "HOROVOD_CPU_OPERATIONS=mpi", "HPCDL_GROUP=1",
                          "/usr/bin/mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none",
-                         "python", "-m", "hpcdl.worker", str(tmp_path / "r"), "--mpi"]
+                         "python", "-m", "hpcdl.process.worker", str(tmp_path / "r"), "--mpi"]
     assert not any("ALLOW_RUN_AS_ROOT" in " ".join(c) for c in dry.commands)
     check_local_mpi(load_job("hep", ["run.nodes=2"]), {"mpi_launcher": None})  # gloo: no launcher needed

@@ -1,5 +1,5 @@
 """The rendered batch scripts run by real bash and their batch steps by real Python
-(hpcdl.lifecycle under SLURM), with stand-ins for srun and scontrol: the warning signal
+(hpcdl.process.lifecycle under SLURM), with stand-ins for srun and scontrol: the warning signal
 (slurm.signal) leaves the stop mark, a checkpointed group requeues exactly its element, not after
 `hpcdl cancel` left its mark, a crash requeues while run.max_restarts allows. No cluster needed."""
 
@@ -17,13 +17,13 @@ import pytest
 
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.lifecycle import RestartTally
-from hpcdl.runs import RunDir, create_run
+from hpcdl.process.lifecycle import RestartTally
+from hpcdl.rundir.runs import RunDir, create_run
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import SlurmScheduler
 
 # A group's ranks: train until the stop mark appears, then checkpoint, leave the requeue mark and
-# exit 0 -- what hpcdl.worker does (or finish at once with FINISH=1, crash with CRASH=1).
+# exit 0 -- what hpcdl.process.worker does (or finish at once with FINISH=1, crash with CRASH=1).
 FAKE_SRUN = """#!/bin/bash
 dir="$RUN_DIR/groups/$SLURM_ARRAY_TASK_ID"
 echo "$@" > "$dir/srun.args"

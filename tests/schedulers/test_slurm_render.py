@@ -7,7 +7,7 @@ import pytest
 
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunDir
+from hpcdl.rundir.runs import RunDir
 from hpcdl.schedulers.base import SubmitRequest
 from hpcdl.schedulers.slurm import (
     SlurmScheduler, map_state, parse_mpi_list, parse_preempt_time, parse_sacct, parse_scontrol_config, parse_squeue,
@@ -122,9 +122,9 @@ def test_status_shows_the_pending_reason_and_the_applier_s_node(tmp_path):
     from rich.console import Console
 
     from hpcdl.jobfile import load_job
-    from hpcdl.display import status_view
-    from hpcdl.runs import create_run
-    from hpcdl.status import collect
+    from hpcdl.commands.display import status_view
+    from hpcdl.rundir.runs import create_run
+    from hpcdl.commands.status import collect
 
     job = load_job("hep", [f'run.runs_dir="{tmp_path}"', "run.nodes=4", "run.group_size=2"])
     with create_run(job, "slurm") as (_, run):
@@ -241,7 +241,7 @@ def test_cancel_of_a_queued_run_calls_scancel(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("content", ['{"slurm_array_job_id": 4', "\x00\x01binary", '{"other": 1}'])
 def test_corrupt_job_ids_are_one_error_naming_the_file(tmp_path, content):
-    from hpcdl.runs import RunError
+    from hpcdl.rundir.runs import RunError
 
     run = submitted_run(tmp_path)
     (tmp_path / "scheduler/slurm.json").write_text(content)
@@ -284,7 +284,7 @@ def test_mpi_group_script_matches_its_golden_file():
     assert dry.files["scheduler/group.sbatch"] == (GOLDEN / "group.sbatch").read_text()
     assert srun_command(req.job, "/opt/hpcdl/bin/python", req.run) == [
         "srun", "--kill-on-bad-exit=1", "--mpi=pmix", "--ntasks-per-node=2", "--cpus-per-task=34",
-        "/opt/hpcdl/bin/python", "-m", "hpcdl.worker", "/scratch/runs/hep-1", "--slurm"]
+        "/opt/hpcdl/bin/python", "-m", "hpcdl.process.worker", "/scratch/runs/hep-1", "--slurm"]
     gloo = request()
     assert "--mpi=pmix" not in srun_command(gloo.job, "python", gloo.run)
     assert dry.files["scheduler/applier.sbatch"] == (GOLDEN / "applier.sbatch").read_text()
@@ -324,7 +324,7 @@ def test_slurm_mpi_is_checked_only_where_srun_answered():
 
 
 def test_a_site_template_must_launch_the_group_s_life(tmp_path):
-    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nsrun python -m hpcdl.worker\n")
+    (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nsrun python -m hpcdl.process.worker\n")
     with pytest.raises(JobError, match=r"has no \{\{ launch \}\}"):
         render_group_script(request([f'slurm.template_dir="{tmp_path}"']))
     (tmp_path / "group.sbatch").write_text("#!/bin/bash\n{{ sbatch_directives }}\nmodule load x\nexec {{ launch }}\n")

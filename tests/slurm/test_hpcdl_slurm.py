@@ -346,7 +346,7 @@ def test_a_cancelled_run_resumes_on_slurm_and_finishes_with_an_exact_ledger(slur
 
 
 def _metrics(run_dir: Path, group: int) -> list[dict]:
-    from hpcdl.files import read_jsonl
+    from hpcdl.fs.files import read_jsonl
 
     return read_jsonl(run_dir / "groups" / str(group) / "metrics.jsonl")
 

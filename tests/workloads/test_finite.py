@@ -9,7 +9,7 @@ import h5py
 import numpy as np
 import pytest
 
-from hpcdl.submit import prepare
+from hpcdl.commands.submit import prepare
 from hpcdl.workloads import finite
 from tests.conftest import HPCDL
 

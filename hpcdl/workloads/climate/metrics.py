@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from hpcdl.workloads.climate.data import CLASSES, NUM_CLASSES
-from hpcdl.files import atomic_path
+from hpcdl.fs.files import atomic_path
 from hpcdl.workloads.common import csv_lines, new_figure, save_png, table_format
 
 __all__ = ["iou", "nms", "average_precision", "detection_metrics", "plot_detections",

@@ -78,7 +78,7 @@ class ClimateWorkload(Workload):
     def build_model(self, model_config, input_shape, seed: int, compute_dtype: str = "float32"):
         from hpcdl.workloads.climate.model import ClimateNet
 
-        if compute_dtype not in self.compute_dtypes:  # submit refuses first (hpcdl.submit)
+        if compute_dtype not in self.compute_dtypes:  # submit refuses first (hpcdl.commands.submit)
             raise ValueError(f"the climate network computes in float32 only, not {compute_dtype}")
         return ClimateNet(model_config, tuple(input_shape), seed=seed)
 

@@ -38,7 +38,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from hpcdl.files import atomic_path
+from hpcdl.fs.files import atomic_path
 from hpcdl.workloads.common import csv_lines, new_figure, save_png, table_format
 
 __all__ = [

@@ -113,7 +113,7 @@ def plot_predicted_vs_true(path: Path, predicted: np.ndarray, y: np.ndarray, tit
 def write_predictions(path: Path, index: np.ndarray, predicted: np.ndarray, y: np.ndarray) -> Path:
     """Per-example predictions (`.npz`: index, prediction, label; no object arrays, so np.load needs
     no pickle), written atomically."""
-    from hpcdl.files import atomic_path
+    from hpcdl.fs.files import atomic_path
 
     if common.table_format(path, "scores") != "npz":
         raise ValueError(f"scores file of the keras workload must end in .npz, got {path.name!r}")

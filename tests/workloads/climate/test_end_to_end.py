@@ -59,7 +59,7 @@ def test_submit_train_and_evaluate_two_ranks(files, tmp_path):
     # taken home: the network's grid output from images as preprocessed (crop, downsampling),
     # normalisation inside, the same without hpcdl as the checkpoint's model gives
     hpcdl("export", str(run_dir), str(tmp_path / "climate-model"), cwd=tmp_path)
-    from hpcdl.evaluate import load_trained
+    from hpcdl.commands.evaluate import load_trained
     from hpcdl.workloads.climate.data import Stats, iter_eval
     from tests.helpers.exported import predict_without_hpcdl
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hpcdl.errors import JobError
-from hpcdl.submit import prepare
+from hpcdl.commands.submit import prepare
 from tests.conftest import HPCDL
 
 NOT_A_MODEL = "def build(input_shape):\n    return {'layers': 3}\n"

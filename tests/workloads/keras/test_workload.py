@@ -130,7 +130,7 @@ def test_regression_scores_mse_mae_and_r2(tmp_path):
                             "    return keras.Model(i, keras.layers.Dense(2, use_bias=False)(i))\n", (3,))
     model.named_variables()[0][1].assign(np.array([[1.0, 1.0], [-2.0, 0.0], [0.5, 0.0]], np.float32))
     stats = {"task": "regression", "classes": 0, "inputs": "inputs", "labels": "targets", "weights": ""}
-    (tmp_path / "eval_out").mkdir()  # hpcdl.evaluate makes it
+    (tmp_path / "eval_out").mkdir()  # hpcdl.commands.evaluate makes it
     result = workload.evaluate(model, stats, tmp_path / "r.h5", tmp_path / "eval_out")
     assert result["mse"] < 1e-10 and result["mae"] < 1e-5 and result["r2"] == pytest.approx(1.0)
     assert (tmp_path / "eval_out" / "predicted_vs_true.png").is_file()

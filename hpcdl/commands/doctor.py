@@ -111,7 +111,7 @@ def _collectives() -> dict[str, Any]:
     """How Horovod was built (a broken build is exactly what doctor must report), whether mpi4py
     loads an MPI, the MPI launcher the local backend would use, and so which run.controller
     values this installation can run, with why not for the others."""
-    from hpcdl.launch import find_mpi_launcher, mpi4py_problem
+    from hpcdl.process.launch import find_mpi_launcher, mpi4py_problem
     from hpcdl.schedulers.select import choose_controller
 
     info: dict[str, Any] = {}

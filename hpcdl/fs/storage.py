@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.access import Access
+from hpcdl.fs.access import Access
 
-log = logging.getLogger("hpcdl.storage")
+log = logging.getLogger("hpcdl.fs.storage")
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _MESSAGES = tuple(os.strerror(e) for e in sorted(STORAGE_ERRNOS)) + ("quota exceeded",)

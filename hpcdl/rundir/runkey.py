@@ -1,7 +1,7 @@
-"""The per-run secret of a run (its files' access policy is hpcdl.access).
+"""The per-run secret of a run (its files' access policy is hpcdl.fs.access).
 
 ``<run>/run.key``: 32 random bytes (hex, one line), created at submit time by
-:func:`hpcdl.runs.create_run` with ``O_EXCL`` in the owner-only (or group-only) mode. Every
+:func:`hpcdl.rundir.runs.create_run` with ``O_EXCL`` in the owner-only (or group-only) mode. Every
 :class:`hpcdl.exchange.Channel` of the run uses it as the key of its tags (:func:`run_signer`), so
 an exchange file written by anybody without the key (another user, another run, a stale process of
 an older run) fails its tag check and is rejected like a corrupt one. :func:`load_key` refuses a
@@ -17,7 +17,7 @@ import secrets
 import stat
 from pathlib import Path
 
-from hpcdl.access import Access
+from hpcdl.fs.access import Access
 from hpcdl.exchange.format import Signer
 
 KEY_FILE = "run.key"

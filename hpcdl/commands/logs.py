@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO, Callable
 
-from hpcdl.runs import RunDir, RunError
+from hpcdl.rundir.runs import RunDir, RunError
 
 TAIL_BYTES = 64 << 10  # how far back from the end the last error line is looked for
 # Python's last traceback line ("FileNotFoundError: ..."), TensorFlow/Horovod/SLURM errors.

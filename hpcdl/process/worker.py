@@ -1,4 +1,4 @@
-"""The processes of a run, as the schedulers start them: `python -m hpcdl.worker RUN_DIR MODE`.
+"""The processes of a run, as the schedulers start them: `python -m hpcdl.process.worker RUN_DIR MODE`.
 
 * a rank (default): read where this rank sits (Horovod variables set by the local backend,
   SLURM's with --slurm, a local mpirun's with --mpi), tune the CPU before TensorFlow loads, join
@@ -7,13 +7,13 @@
   SIGUSR2, to any of these processes, writes its threads' stacks to its log.
 * `--applier`: the applier of the run's exchange, configured from the job; it ends once every
   group has finished (or the local supervisor saw every group end) and nothing is left to apply,
-  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.lifecycle); with no usable durable
+  or on SIGTERM/SIGUSR1 after a commit (exit codes: hpcdl.process.lifecycle); with no usable durable
   state (hpcdl.applier.state.StateLost) it says why in one line and exits EXIT_USER_ERROR. With
   `--slurm-array` it also ends, after the backlog, once SLURM holds no element of the group array
   (a cancelled or failed group never reports "finished").
 
 This is the glue between a scheduler and the engine; neither knows the other. The processes'
-life (stop, restart, requeue) is hpcdl.lifecycle's.
+life (stop, restart, requeue) is hpcdl.process.lifecycle's.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Callable
 
 from hpcdl.engine.tuning import plan_for_this_process, precision_refusal, read_cpuinfo
-from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
+from hpcdl.fs.files import atomic_write_bytes, atomic_write_json, read_regular
 from hpcdl.errors import FinalSaveFailed, JobError, NonFiniteLoss
-from hpcdl.launch import LaunchError, RankEnv, follow_supervisor, slurm_cpus_per_task
-from hpcdl.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
-from hpcdl.runs import RunDir
+from hpcdl.process.launch import LaunchError, RankEnv, follow_supervisor, slurm_cpus_per_task
+from hpcdl.process.lifecycle import EXIT_FAILED, EXIT_LOCKED, EXIT_OK, EXIT_REQUEUE, EXIT_USER_ERROR, groups_over
+from hpcdl.rundir.runs import RunDir
 from hpcdl.workloads.common import DataFileError
 
 STATS_WAIT_S = 3600.0
@@ -85,7 +85,7 @@ def serve_applier(run: RunDir, job, array_gone: Callable[[], bool] | None = None
     import logging
 
     from hpcdl.applier import AlreadyRunning, Applier, ApplierConfig, StateLost
-    from hpcdl.run_exchange import run_channel
+    from hpcdl.rundir.run_exchange import run_channel
 
     logging.basicConfig(level="INFO", format="%(asctime)s %(name)s %(levelname)s %(message)s")
     x = job.exchange
@@ -176,7 +176,7 @@ def _mark_input_error(argv: list[str] | None, text: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hpcdl.worker")
+    parser = argparse.ArgumentParser(prog="python -m hpcdl.process.worker")
     parser.add_argument("run_dir", type=Path)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--slurm", action="store_true", help="a rank; read its place from SLURM's variables")
@@ -242,7 +242,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
     from hpcdl.engine.collective import join_group
     from hpcdl.engine.train import train_group
     from hpcdl.engine.tuning import configure_tensorflow
-    from hpcdl.steptimes import StepTimeLog
+    from hpcdl.rundir.steptimes import StepTimeLog
     from hpcdl.workloads import get_workload
 
     comm = join_group(job.run.controller)  # after the environment: oneDNN reads it once, at load
@@ -261,7 +261,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
 
     pace = None
     if job.emulate.enabled:
-        from hpcdl.emulate import Emulator
+        from hpcdl.process.emulate import Emulator
 
         emulator = Emulator(job.emulate, group * comm.size() + comm.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
@@ -272,7 +272,7 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
                          step_times=StepTimeLog(run.step_times_file(group, comm.rank())))
     if result.stopped and root:
         # Every rank exits 0 (srun --kill-on-bad-exit would take any other code for a crash);
-        # the mark tells the group's life (hpcdl.lifecycle) it stopped at a checkpoint.
+        # the mark tells the group's life (hpcdl.process.lifecycle) it stopped at a checkpoint.
         run.requeue_mark(group).touch()
     comm.shutdown()
     return EXIT_OK
@@ -309,15 +309,15 @@ def _group_root(run: RunDir, job, workload, stats: dict, exchange: bool, group: 
     """What rank 0 alone is given: its recorder, its exchange (which a stop request interrupts)
     and its validation -- with an exchange the master weights are scored once, by group 0's root."""
     from hpcdl.engine.train import GroupRoot
-    from hpcdl.group_files import GroupRecorder
-    from hpcdl.storage import StorageReport
+    from hpcdl.rundir.group_files import GroupRecorder
+    from hpcdl.fs.storage import StorageReport
 
     storage = StorageReport(run.storage_file(group))
     recorder = GroupRecorder(job, stats, storage, checkpoints=run.checkpoint_dir(group), metrics=run.metrics_file(group),
                              state=run.group_state_file(group), tensorboard=run.tensorboard_dir(group))
     sync = None
     if exchange:
-        from hpcdl.run_exchange import group_exchange
+        from hpcdl.rundir.run_exchange import group_exchange
 
         sync = group_exchange(run, job, group, storage)
         sync.interrupt = stop_requested

@@ -3,15 +3,15 @@
     runs/<run-id>/
       job.toml              the resolved job (what every process reads)
       run.json              run id, backend, created, scheduler job ids
-      run.key               the run's secret: the key of its exchange's tags (see hpcdl.runkey)
+      run.key               the run's secret: the key of its exchange's tags (see hpcdl.rundir.runkey)
       stats.json            workload normalisation constants (written once, atomically)
       groups/<g>/metrics.jsonl   one line per logged step of group g (its rank 0 writes)
       groups/<g>/state.json      the group's last known state (published atomically)
       groups/<g>/rank<r>.log     each rank's stdout/stderr
-      groups/<g>/step-times/rank<r>.bin  each rank's own time of every step (hpcdl.steptimes)
+      groups/<g>/step-times/rank<r>.bin  each rank's own time of every step (hpcdl.rundir.steptimes)
       groups/<g>/mpirun.log      the local MPI launcher's own output (run.controller = "mpi")
-      groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.storage)
-      groups/<g>/life.json       the group's life: state, restarts, exit codes, reason (hpcdl.lifecycle)
+      groups/<g>/storage.json    the group's storage problems (full disk, quota; hpcdl.fs.storage)
+      groups/<g>/life.json       the group's life: state, restarts, exit codes, reason (hpcdl.process.lifecycle)
       groups/<g>/restarts.json   its crash restarts and planned requeues, kept across resumes
       checkpoints/<g>/      TensorFlow checkpoints of group g + manifest.json
       tensorboard/<g>/      TensorBoard event files
@@ -24,7 +24,7 @@ submission leaves nothing behind.
 
 Permissions: the run directory and everything `create_run` puts in it are owner-only (0700 / 0600)
 or group-only (2770 / 0660 with `run.unix_group`), whatever the umask; files written later through
-this module get the mode of the directory's policy too (see hpcdl.access).
+this module get the mode of the directory's policy too (see hpcdl.fs.access).
 """
 
 from __future__ import annotations
@@ -46,15 +46,15 @@ from typing import Any, Iterator
 from hpcdl.config import RUNS_DIR, Job
 from hpcdl.jobfile import job_from_dict
 from hpcdl.errors import HpcdlError, JobError
-from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
-from hpcdl.access import Access, AccessError, access_for_job
-from hpcdl.runkey import KEY_FILE, RunKeyError, create_key, run_signer
-from hpcdl.storage import REPORT_FILE, StorageReport
+from hpcdl.fs.files import atomic_write_bytes, atomic_write_json, read_regular
+from hpcdl.fs.access import Access, AccessError, access_for_job
+from hpcdl.rundir.runkey import KEY_FILE, RunKeyError, create_key, run_signer
+from hpcdl.fs.storage import REPORT_FILE, StorageReport
 
 import tomllib
 
 
-MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.group_files)
+MANIFEST = "manifest.json"  # beside a group's checkpoints: how to rebuild the model (hpcdl.rundir.group_files)
 
 
 class State(StrEnum):
@@ -228,7 +228,7 @@ class RunDir:
         return self.root / "groups"
 
     def stop_mark(self, group: int) -> Path:
-        """Left by the group's life (hpcdl.lifecycle) on a stop request: the group checkpoints and stops."""
+        """Left by the group's life (hpcdl.process.lifecycle) on a stop request: the group checkpoints and stops."""
         return self.group_dir(group) / "stop"
 
     def requeue_mark(self, group: int) -> Path:
@@ -240,7 +240,7 @@ class RunDir:
         return self.group_dir(group) / "input-error"
 
     def life_file(self, group: int) -> Path:
-        """The group's life as hpcdl.lifecycle last published it: state, restarts, the reason."""
+        """The group's life as hpcdl.process.lifecycle last published it: state, restarts, the reason."""
         return self.group_dir(group) / "life.json"
 
     @property
@@ -251,7 +251,7 @@ class RunDir:
         return self.scheduler_dir / "groups-ended"
 
     def restarts_file(self, group: int) -> Path:
-        """The group's crash restarts and planned requeues over the run's life (hpcdl.lifecycle's
+        """The group's crash restarts and planned requeues over the run's life (hpcdl.process.lifecycle's
         RestartTally)."""
         return self.group_dir(group) / "restarts.json"
 
@@ -266,7 +266,7 @@ class RunDir:
         return self.group_dir(group) / "step-times"
 
     def step_times_file(self, group: int, rank: int) -> Path:
-        """Rank `rank` of group `group`: its own time of every step (hpcdl.steptimes)."""
+        """Rank `rank` of group `group`: its own time of every step (hpcdl.rundir.steptimes)."""
         return self.step_times_dir(group) / f"rank{rank}.bin"
 
     def step_times_files(self) -> dict[tuple[int, int], Path]:

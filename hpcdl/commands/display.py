@@ -222,7 +222,7 @@ class GroupProgress:
 
 def _read_state(path) -> dict:
     """A group's state file: not written yet, torn or garbled reads as empty (the next refresh will do)."""
-    from hpcdl.files import read_regular
+    from hpcdl.fs.files import read_regular
 
     try:
         state = json.loads(read_regular(path).decode("utf-8"))

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hpcdl.evaluate import EvaluateError, load_trained
+from hpcdl.commands.evaluate import EvaluateError, load_trained
 
 
 def export(path: Path, out: Path, master: bool = True) -> dict[str, Any]:

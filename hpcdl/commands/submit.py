@@ -18,8 +18,8 @@ from typing import Any, Callable
 from hpcdl.config import Job, check_plain_text
 from hpcdl.errors import JobError
 from hpcdl.jobfile import load_job
-from hpcdl.runs import RunDir, RunIdTaken, create_run, new_run_id
-from hpcdl.files import atomic_write_bytes
+from hpcdl.rundir.runs import RunDir, RunIdTaken, create_run, new_run_id
+from hpcdl.fs.files import atomic_write_bytes
 from hpcdl.schedulers import get_scheduler
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest
 from hpcdl.schedulers.select import choose_backend, choose_controller
@@ -181,7 +181,7 @@ def renamed(prepared: Prepared) -> Prepared:
 def check_precision(job: Job, cpu=None) -> None:
     """One line if the job's tuning.precision cannot run: a workload without that compute dtype,
     or (local backend: the ranks run on this CPU) no native bfloat16 for mixed_bfloat16. Under
-    SLURM the compute nodes' CPU is not known here; each rank checks its own (hpcdl.worker)."""
+    SLURM the compute nodes' CPU is not known here; each rank checks its own (hpcdl.process.worker)."""
     dtype = compute_dtype(job.tuning.precision)
     workload = get_workload(job.workload)
     if dtype not in workload.compute_dtypes:

@@ -11,9 +11,9 @@ import numpy as np
 from hpcdl.exchange import Channel
 from hpcdl.exchange.group import ExchangeSync
 from hpcdl.exchange.shards import Partition, PartitionMismatch
-from hpcdl.files import atomic_write_bytes
-from hpcdl.runs import RunDir
-from hpcdl.storage import StorageReport
+from hpcdl.fs.files import atomic_write_bytes
+from hpcdl.rundir.runs import RunDir
+from hpcdl.fs.storage import StorageReport
 
 
 def run_channel(run: RunDir, job, *, shard: int = 0, create: bool = True, **kwargs: Any) -> Channel:

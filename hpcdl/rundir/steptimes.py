@@ -3,7 +3,7 @@
 A synchronous step lasts as long as its slowest rank, so a group's step time hides which rank
 was slow and how often; each rank's own time -- its forward and backward pass before the
 gradients' allreduce waits for the others, stretched to an emulated step's length
-(hpcdl.emulate) -- tells the straggler model (hpcdl.perf.stragglers) what the planner would
+(hpcdl.process.emulate) -- tells the straggler model (hpcdl.perf.stragglers) what the planner would
 otherwise have to guess.
 
 A file holds one rank's records, 8 bytes each: the step (uint32) and its seconds (float32),
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.access import Access
-from hpcdl.files import append_records, read_regular
+from hpcdl.fs.access import Access
+from hpcdl.fs.files import append_records, read_regular
 
 RECORD = np.dtype([("step", "<u4"), ("seconds", "<f4")])
 _PACK = struct.Struct("<If")

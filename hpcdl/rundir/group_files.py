@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hpcdl.config import Job
-from hpcdl.files import append_jsonl, atomic_write_json
+from hpcdl.fs.files import append_jsonl, atomic_write_json
 from hpcdl.jobfile import job_from_dict
-from hpcdl.runs import MANIFEST, State
-from hpcdl.storage import StorageReport, attempt, recorded_checkpoint, save_checkpoint
+from hpcdl.rundir.runs import MANIFEST, State
+from hpcdl.fs.storage import StorageReport, attempt, recorded_checkpoint, save_checkpoint
 
 
 class GroupRecorder:

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from hpcdl.access import Access
+from hpcdl.fs.access import Access
 from hpcdl.config import RUNS_DIR
 from hpcdl.errors import HpcdlError
-from hpcdl.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
+from hpcdl.rundir.runs import MANIFEST, RunDir, apply_access, find_run, read_json_file
 
 
 class EvaluateError(HpcdlError, ValueError):
@@ -95,7 +95,7 @@ class Trained:
 
 
 def load_trained(path: Path, master: bool = True) -> Trained:
-    from hpcdl.group_files import CheckpointUnreadable, load_model
+    from hpcdl.rundir.group_files import CheckpointUnreadable, load_model
     from hpcdl.workloads import get_workload
 
     checkpoint, run = resolve_checkpoint(path)
@@ -107,7 +107,7 @@ def load_trained(path: Path, master: bool = True) -> Trained:
     if run is not None and master:
         job = run.load_job()
         if job.exchange.active(job.run.groups):
-            from hpcdl.run_exchange import adopt_master_weights
+            from hpcdl.rundir.run_exchange import adopt_master_weights
 
             version = adopt_master_weights(run, job, model)
             if version is not None:

@@ -18,7 +18,7 @@
   inputs), refused unless it is a regular file of bounded size: a symlink to ``/dev/zero`` or a
   FIFO must not fill the memory or hang a command.
 
-Files get the mode of an :class:`hpcdl.access.Access` policy (owner-only by default), whatever
+Files get the mode of an :class:`hpcdl.fs.access.Access` policy (owner-only by default), whatever
 the umask; :func:`atomic_path` without one follows the umask, like ``open(path, "w")``.
 """
 
@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Iterator
 
-from hpcdl.access import Access
+from hpcdl.fs.access import Access
 
 TMP_PREFIX = ".tmp-"
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from hpcdl.runs import RunDir
-from hpcdl.files import read_jsonl
+from hpcdl.rundir.runs import RunDir
+from hpcdl.fs.files import read_jsonl
 from hpcdl.workloads.common import save_png
 
 # Bins of the aggregate FLOP/s curve: groups log at different moments.

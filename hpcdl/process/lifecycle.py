@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from hpcdl.files import atomic_write_bytes, atomic_write_json, read_regular
-from hpcdl.runs import RunDir, State
+from hpcdl.fs.files import atomic_write_bytes, atomic_write_json, read_regular
+from hpcdl.rundir.runs import RunDir, State
 
 # Exit codes of the processes a life watches, and of the life itself.
 EXIT_OK = 0
@@ -55,8 +55,8 @@ FULL_DISK_GRACE_S = 30.0  # after the last group, how long a full disk may hold 
 
 
 def worker_command(python: str, run: RunDir) -> list[str]:
-    """A rank's process (hpcdl.worker), on either backend."""
-    return [python, "-m", "hpcdl.worker", str(run.root)]
+    """A rank's process (hpcdl.process.worker), on either backend."""
+    return [python, "-m", "hpcdl.process.worker", str(run.root)]
 
 
 def applier_command(python: str, run: RunDir, shard: int = 0, *, slurm_array: bool = False) -> list[str]:

@@ -17,11 +17,11 @@ from typing import Any, Callable
 from hpcdl.config import Job
 from hpcdl.errors import JobError
 from hpcdl.jobfile import job_with
-from hpcdl.lifecycle import begin_new_submission
-from hpcdl.runs import RunDir, State, read_json_file
-from hpcdl.files import atomic_write_bytes, atomic_write_json
+from hpcdl.process.lifecycle import begin_new_submission
+from hpcdl.rundir.runs import RunDir, State, read_json_file
+from hpcdl.fs.files import atomic_write_bytes, atomic_write_json
 from hpcdl.schedulers import get_scheduler
-from hpcdl.submit import Prepared, prepare_launch, write_rendered
+from hpcdl.commands.submit import Prepared, prepare_launch, write_rendered
 
 # What the checkpoints, the shards and the applier's state were made with.
 FIXED = {
@@ -51,7 +51,7 @@ def _flat(job: Job) -> dict[str, Any]:
 def prepare_resume(run: RunDir, overrides: list[str] = (), settings: dict[str, Any] | None = None,
                    python: str = sys.executable, on_note: Callable[[str], None] | None = None,
                    progress=None) -> Prepared:
-    """Validate and render the resumed run as submit does (hpcdl.submit.prepare_launch), after
+    """Validate and render the resumed run as submit does (hpcdl.commands.submit.prepare_launch), after
     what only a resume checks; writes nothing."""
     old = run.load_job()
     info = run.info()

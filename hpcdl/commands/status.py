@@ -6,7 +6,7 @@ its root reports), the applier's status.json in the exchange directory, and the 
 
 Storage warnings (`storage`): the problems each group root and the applier recorded in their
 storage reports (a full disk or quota made a checkpoint, metrics, state or exchange write fail;
-see hpcdl.storage), and the free space of the run's file systems, checked here directly -- so a
+see hpcdl.fs.storage), and the free space of the run's file systems, checked here directly -- so a
 full disk shows even when nothing could be written about it.
 
 FLOP/s as the paper reports them: *peak* is the best logged interval's rate, *sustained* the
@@ -18,7 +18,7 @@ is kept beside it where it says something else (``scheduler_state``, e.g. a canc
 element SLURM calls COMPLETED). The run's state comes from every group's (``run_state``), and a
 group that ended without finishing says why (``why``).
 
-Restarts are counted by kind over the run's life, every resume included (hpcdl.lifecycle's
+Restarts are counted by kind over the run's life, every resume included (hpcdl.process.lifecycle's
 RestartTally): ``crash_restarts`` (bounded by run.max_restarts) and ``planned_requeues`` (the
 time limit's warning signal, a preemption).
 
@@ -35,10 +35,10 @@ import time
 from typing import Any
 
 from hpcdl.exchange.channel import applier_status_file, applier_storage_file
-from hpcdl.files import read_jsonl, read_regular
-from hpcdl.lifecycle import RestartTally
-from hpcdl.runs import ENDED, FAILED, RunDir, State
-from hpcdl.storage import low_space, read_report
+from hpcdl.fs.files import read_jsonl, read_regular
+from hpcdl.process.lifecycle import RestartTally
+from hpcdl.rundir.runs import ENDED, FAILED, RunDir, State
+from hpcdl.fs.storage import low_space, read_report
 
 # A group (or run) that is queued or training, or will be again without anyone asking.
 UNDERWAY = frozenset({State.PENDING, State.RUNNING, State.REQUEUED, State.SUSPENDED, State.PREEMPTED})
@@ -67,7 +67,7 @@ def collect(run: RunDir, backend_view: dict[str, Any] | None = None) -> dict[str
     for entry in groups:
         if entry["state"] in FAILED:
             # Where to look, and the reason when the logs say it (a missing file, a crash).
-            from hpcdl.logs import last_error
+            from hpcdl.commands.logs import last_error
 
             logs = run.group_logs(entry["group"])
             entry["logs"] = [str(p) for p in logs]
@@ -117,7 +117,7 @@ def _group_entry(run: RunDir, job, g: int, backend: dict[str, Any], now: float) 
     """Group g as status shows it: its root's last report, beside what the backend says."""
     metrics = read_jsonl(run.metrics_file(g))
     state = _read_json(run.group_state_file(g)) or {}
-    life = _read_json(run.life_file(g)) or {}  # hpcdl.lifecycle's record, on either backend
+    life = _read_json(run.life_file(g)) or {}  # hpcdl.process.lifecycle's record, on either backend
     tally = RestartTally.read(run.restarts_file(g))
     last = metrics[-1] if metrics else {}
     group_state = group_state_of(state.get("state"), life.get("state"), backend.get("state"))

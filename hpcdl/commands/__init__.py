@@ -1,0 +1,3 @@
+"""What the CLI's commands do, one module each (`submit`, `resume`, `status`, `logs`, `evaluate`,
+`export`, `doctor`), and how they show it (`display`, `progress_plot`).
+"""
