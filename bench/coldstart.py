@@ -13,6 +13,8 @@ rule and a fixed delay.
   the first convolutions' biases driven negative (their ReLUs then output zeros on sparse images).
 
     .venv/bin/python -m bench.coldstart real --runs 4 --steps 300
+    .venv/bin/python -m bench.coldstart real --runs 4 --setting "warm-up 50=exchange.warmup_steps=50" \
+        --setting "warm-up 200=exchange.warmup_steps=200"
     .venv/bin/python -m bench.coldstart delay --lags=-1,0,2 --seeds 0,1,2 --steps 150 \
         --set exchange.staleness_scaling=false
 
@@ -114,6 +116,11 @@ def delay_run(data: dict[str, Path], steps: int, lag: int, seed: int, sets: list
             "bias_mean": {n: round(float(final[n].mean()), 4) for n in names if n.endswith("/b")}}
 
 
+def parse_setting(text: str) -> tuple[str, list[str]]:
+    name, _, sets = text.partition("=")
+    return name, [s for s in sets.split(";") if s]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("mode", choices=("real", "delay"))
@@ -124,13 +131,16 @@ def main(argv=None) -> int:
     p.add_argument("--lags", default="-1,0,2", help="delay: comma-separated (-1: synchronous)")
     p.add_argument("--seeds", default="0,1,2", help="delay: comma-separated")
     p.add_argument("--set", action="append", default=[], help="delay: a job override (repeatable)")
+    p.add_argument("--setting", action="append", default=[], metavar="NAME=SET[;SET...]",
+                   help="real: a setting to race instead of SETTINGS, e.g. 'one in flight=exchange.max_outstanding=1'")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     data = data_files(args.work / "data", args.events)
     results = {"mode": args.mode, "steps": args.steps, "machine": machine(), "started": time.time(), "runs": []}
     if args.mode == "real":
+        settings = dict(parse_setting(s) for s in args.setting) or SETTINGS
         for i in range(args.runs):
-            for name, extra in SETTINGS.items():  # interleaved: the machine's load hits both alike
+            for name, extra in settings.items():  # interleaved: the machine's load hits both alike
                 res = {"setting": name, "sets": extra, **real_run(data, args.work / "runs", args.steps, extra)}
                 results["runs"].append(res)
                 print(json.dumps(res), flush=True)

@@ -155,7 +155,7 @@ class ExchangeConfig:
     momentum_delay: int = 0  # nesterov: momentum once every N arrivals (0: N = the groups)
     staleness_scaling: bool = False  # each update at lr / max(1, staleness) (Zhang et al.)
     max_outstanding: int = 2  # K: at most K unanswered updates a group (after the warm-up); 0: a root never waits
-    warmup_steps: int = 50  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
+    warmup_steps: int = 200  # a group's first N steps wait as with max_outstanding = 1 (a safe cold start)
     reply_timeout_s: float = 60.0  # the longest a root waits for the applier's answer
     delta_dtype: DeltaDtype = "float32"  # delta: float16 halves the bytes exchanged
     max_staleness: int = 16  # master versions an update may be behind; staler ones meet stale_policy
