@@ -16,6 +16,7 @@ from rich.console import Console
 
 from hpcdl import __version__
 from hpcdl.config import RUNS_DIR, Backend, choices
+from hpcdl.errors import HpcdlError, JobError
 from hpcdl.engine.tuning import quiet_tensorflow_import
 from hpcdl.workloads import names as workload_names
 
@@ -54,8 +55,6 @@ class HpcdlGroup(click.Group):
     """Turns input errors into one line and exit 2, and failures into exit 1."""
 
     def invoke(self, ctx):
-        from hpcdl.errors import HpcdlError
-
         try:
             return super().invoke(ctx)
         except _NO_ARGS_IS_HELP:  # `hpcdl data` alone: its help, as click shows it
@@ -387,7 +386,6 @@ class GeneratorCommands(click.Group):
         return workload_names()
 
     def get_command(self, ctx, name):
-        from hpcdl.errors import JobError
         from hpcdl.workloads import get_workload
 
         if name not in workload_names():

@@ -26,7 +26,8 @@ from hpcdl.errors import JobError
 # reference read them from the field's type, and each registry's test checks that its table
 # implements every name (tests/test_choices.py).
 Backend = Literal["auto", "local", "slurm"]  # auto: SLURM where it answers, else this machine
-Controller = Literal["auto", "gloo", "mpi", "mpi4py"]  # how a group's ranks talk (hpcdl.process.launch, hpcdl.engine.collective)
+# how a group's ranks talk (hpcdl.process.launch, hpcdl.engine.collective)
+Controller = Literal["auto", "gloo", "mpi", "mpi4py"]
 TrainOptimizer = Literal["adam", "sgd"]  # hpcdl.engine.TRAIN_OPTIMIZERS
 UpdateRuleName = Literal["sgd", "momentum", "adam", "nesterov"]  # hpcdl.applier.rules.UPDATE_RULES
 StalePolicy = Literal["drop", "downweight"]

@@ -30,8 +30,8 @@ class Adam(tf.Module):
             self._apply(grads, variables)
 
     def _apply(self, grads: list[tf.Tensor], variables: list[tf.Variable]) -> None:
-        # Element-wise ops, not one fused ResourceApplyAdam per variable: the update is ~0.5 % of
-        # the HEP step and the fused op did not measure faster (bench/step_variants.py).
+        # Element-wise ops, not one fused ResourceApplyAdam per variable: the same arithmetic as
+        # the applier's numpy kernels, and the fused op was not faster (bench/step_variants.py).
         # The textbook step lr·m̂/(√v̂ + ε) with the bias corrections folded into two scalars, as
         # the applier's Adam (hpcdl.applier.rules) folds them: the same rule on both sides.
         self.iterations.assign_add(1)

@@ -1,12 +1,13 @@
 """The one place hpcdl publishes a file or appends a line to one.
 
-* :func:`atomic_write` (and :func:`atomic_write_bytes` and :func:`atomic_write_json`, :func:`atomic_path` for writers that need a
-  file name, such as h5py, and :func:`atomic_paths` for several files published together): the whole file under ``.tmp-<uuid>-<name>`` in the destination
-  directory, flushed and fsynced, renamed onto the name, the directory fsynced. Readers see the
-  old file or the new one, never a part; a failure (a full disk, a quota) removes the temporary
-  and raises, and the old file stays. ``fsync=False`` keeps the atomicity and skips the two
-  fsyncs, for files nothing depends on after a crash of the node (the exchange protocol says
-  which).
+* :func:`atomic_write` (with :func:`atomic_write_bytes` and :func:`atomic_write_json`, which give
+  a file its directory's access policy; :func:`atomic_path` for writers that need a file name,
+  such as h5py; :func:`atomic_paths` for several files published together): the whole file
+  under ``.tmp-<uuid>-<name>`` in the destination directory, flushed and fsynced, renamed onto
+  the name, the directory fsynced. Readers see the old file or the new one, never a part; a
+  failure (a full disk, a quota) removes the temporary and raises, and the old file stays.
+  ``fsync=False`` keeps the atomicity and skips the two fsyncs, for files nothing depends on
+  after a crash of the node (the exchange protocol says which).
 * :func:`append_lines`: whole lines at the end of a file opened with ``O_APPEND``; a line torn by
   an earlier crash is terminated first, and a write that fails is cut off again, so the file
   stays a sequence of whole lines.

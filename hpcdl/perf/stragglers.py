@@ -121,7 +121,7 @@ def fit_stragglers(times: Mapping[str, Sequence[float]] | Sequence[Sequence[floa
             stalled = residuals > centre + STALL_SIGMAS * sigma
     body = residuals[~stalled]
     # the body without its stalls is symmetric: its median absolute deviation is the steadier
-    # estimate (a 4 % error at 600 steps where the lower half's is 6 %)
+    # estimate of the two, which tests/perf/test_stragglers.py holds to its emulated truth
     sigma = float(_MAD_TO_SIGMA * np.median(np.abs(body - np.median(body))))
     stall_probability, stall_factor = 0.0, 1.0
     if stalled.sum() >= max(MIN_STALLS, 10 * _normal_sf(STALL_SIGMAS) * residuals.size):

@@ -266,7 +266,8 @@ def serve_rank(run: RunDir, job, args: argparse.Namespace, stop: dict) -> int:
         emulator = Emulator(job.emulate, group * comm.size() + comm.rank(), run.emulated_kill_mark(group))
         pace = emulator.pace
         report["emulated"] = emulator.describe()
-    result = train_group(group_task(job, workload, stats), comm, run.checkpoint_dir(group), group=group, groups=job.run.groups,
+    task = group_task(job, workload, stats)
+    result = train_group(task, comm, run.checkpoint_dir(group), group=group, groups=job.run.groups,
                          root=_group_root(run, job, workload, stats, exchange, group, stop_requested) if root else None,
                          exchange=exchange, stop_requested=stop_requested, report=report, pace=pace,
                          step_times=StepTimeLog(run.step_times_file(group, comm.rank())))

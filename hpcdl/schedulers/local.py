@@ -35,8 +35,9 @@ from hpcdl.fs.files import atomic_write_json
 from hpcdl.schedulers.base import DryRun, Scheduler, SubmitRequest, check_controller, controller_facts
 from hpcdl.fs.storage import StorageReport, attempt
 
-# A rank per core is best; a few may share one: tests, a small hybrid run, and the hybrid race's
-# 8 emulated ranks + applier on 2 cores (bench/hybrid_race.py), whose pace is set by sleeps.
+# A rank per core is best. A few may share one when they mostly wait (a small hybrid run, a test,
+# emulated stragglers that sleep); beyond that every rank slows the others, so a larger local run
+# is refused rather than left to crawl.
 LOCAL_RANKS_PER_CORE = 5
 LOCAL_RANK_MEMORY = 512 << 20  # a TensorFlow rank's resident size, at least
 
