@@ -79,14 +79,15 @@ class Race:
         return load_job("hep", [*(f'data.{k}="{v}"' for k, v in self.files.items()),
                                 f"train.batch_per_rank={self.args.batch}", f"train.seed={seed}", "data.prefetch=0",
                                 "data.chunk_events=512", *(f"model.{k}={v}" for k, v in MODEL.items()),
-                                f"run.nodes={ranks}", f"run.group_size={ranks // groups}", f"{field}={rate:.6g}"])
+                                f"run.nodes={ranks}", f"run.group_size={ranks // groups}", f"{field}={rate:.6g}",
+                                *self.args.set])
 
     def clock(self, job, scenario: str, seed: int):
         from hpcdl.config import EmulateConfig
         from hpcdl.perf.inputs import PlanInputs, job_exchange_values
         from hpcdl.perf.race import RaceClock
 
-        inputs = PlanInputs.measured_here(1e12, batch_per_node=self.args.batch, image=(IMAGE, IMAGE, 3),
+        inputs = PlanInputs.measured_here(1e12, batch_per_node=self.args.batch, input_shape=(IMAGE, IMAGE, 3),
                                           model=job.model)
         inputs = inputs.with_values("the race's job", **job_exchange_values(job.exchange))
         stragglers = EmulateConfig(enabled=True, seed=seed, **SCENARIOS[scenario][1])
@@ -233,6 +234,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, default=Path("/tmp/hpcdl-race"))
     ap.add_argument("--rates", default="", help="G:rate,... race at these rates without a sweep (to set the "
                                                  "emulated race beside a wall-clock race's chosen rates)")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a job field for every run (e.g. exchange.warmup_steps=50, the races' warm-up before "
+                         "the default became 200)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     fixed = {int(g): float(r) for g, r in (item.split(":") for item in args.rates.split(",") if item)}

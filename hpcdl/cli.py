@@ -491,7 +491,7 @@ def workloads(as_json):
 @click.argument("workload", metavar="JOB")
 @click.option("--nodes", required=True, type=click.IntRange(min=1), help="Nodes to plan for.")
 @click.option("--inputs", "inputs_spec", help="'paper' (the SC17 run on Cori) or a .json/.toml file of planner inputs.")
-@click.option("--node-flops", type=FiniteFloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's HEP step is measured (about 30 s).")
+@click.option("--node-flops", type=FiniteFloatRange(min=1.0), help="Sustained training FLOP/s of one node (from `make bench` or a run's status). Without it and --inputs, this machine's step of the job's network is measured (about 30 s for hep).")
 @click.option("--groups", "group_counts", help="Comma-separated group counts to compare (default: divisors of --nodes up to 128).")
 @click.option("--set", "overrides", multiple=True, metavar="exchange.KEY=VALUE", help="An [exchange] field of the job to model, e.g. --set exchange.kind=delta --set exchange.every=8 (repeatable). Without --inputs the job's whole [exchange] section is read.")
 @click.option("--staleness-bound", default=8.0, show_default=True, type=FiniteFloatRange(min=0.0), help="Largest mean staleness the recommendation accepts.")

@@ -118,6 +118,17 @@ def test_the_engine_knows_no_run_directory_no_scheduler_and_no_workload():
             assert not re.search(r"from hpcdl\.config import .*\bJob\b", path.read_text()), module  # a GroupTask
 
 
+def test_the_planner_reaches_workloads_through_their_interface():
+    """perf/ plans and times any job's network by its workload's methods: it imports the registry
+    and the interface, never one workload's own modules."""
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    for module, path in files.items():
+        if module.startswith("hpcdl.perf"):
+            found = imports(path, module, set(files), top_level=False)
+            assert not {m for m in found if m.startswith("hpcdl.workloads.")
+                        and m not in ("hpcdl.workloads.base", "hpcdl.workloads.get_workload")}, module
+
+
 # The top level by role, from the bottom up: a unit (a folder of hpcdl/, or a top-level module)
 # imports only from its own layer or a lower one, wherever the import stands.
 LAYERS = [

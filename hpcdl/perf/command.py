@@ -10,7 +10,6 @@ from typing import Any, Callable
 
 from hpcdl.errors import HpcdlError
 from hpcdl.jobfile import load_job, resolve_job_path
-from hpcdl.perf import PLANNED_WORKLOADS
 from hpcdl.perf.accuracy import Target
 from hpcdl.perf.planner import Plan, PlanInputs, plan as plan_groups, with_job_exchange
 from hpcdl.workloads import get_workload
@@ -93,6 +92,7 @@ def _fitted_stragglers(run):
 
 
 def _inputs(request: PlanRequest, note: Callable[[str], None]) -> PlanInputs:
+    network = JobNetwork.of(request.job, request.overrides)
     if request.inputs:
         inputs = PlanInputs.load(request.inputs)
     else:
@@ -100,17 +100,18 @@ def _inputs(request: PlanRequest, note: Callable[[str], None]) -> PlanInputs:
         if node_flops is None:
             from hpcdl.perf.measure import measure_in_subprocess
 
-            note("measuring this machine's HEP training step (about 30 s; --node-flops skips this)")
+            note(f"measuring this machine's training step of {network.name} (--node-flops skips this)")
             try:
-                here = measure_in_subprocess()
+                here = measure_in_subprocess(job=request.job, input_shape=network.input_shape,
+                                             overrides=request.overrides)
             except RuntimeError as exc:
                 raise MeasureError(str(exc)) from None
             node_flops = here["node_flops"]
-            source = (f"measured here: best of {here['steps']} HEP steps, batch {here['batch']} at "
-                      f"{here['image']}², {here['threads']}")
+            source = (f"measured here: best of {here['steps']} steps of {network.name}, batch {here['batch']}, "
+                      f"{here['threads']}")
         inputs = PlanInputs.measured_here(node_flops, source=source)
     inputs = with_job_exchange(inputs, request.job, request.overrides, whole_section=not request.inputs)
-    return inputs if request.job in PLANNED_WORKLOADS else with_job_network(inputs, request.job)
+    return network.applied_to(inputs)
 
 
 def _race_groups(request: PlanRequest) -> list[int]:
@@ -145,19 +146,56 @@ def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[in
                          budget_s=request.race_budget_s, progress=on_race if race_progress else None)
 
 
-def with_job_network(inputs: PlanInputs, job_ref: str) -> PlanInputs:
-    """The planner's inputs with the FLOPs per example and the size of the job's own network,
-    saying how they were counted (the model's own count, or TensorFlow's cost analysis)."""
-    job = load_job(job_ref)
-    workload = get_workload(job.workload)
-    name = resolve_job_path(job_ref).name
-    counted = getattr(workload, "network_cost_and_source", None)
-    if counted is not None:
-        flops, how, params = counted(job)
-    else:
-        (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
-    where = f"job {name}: the {job.workload} network at its data's shape"
-    return inputs.with_sourced({"flops_per_example": (float(flops), f"{where}, FLOPs by {how}"),
-                                "model_bytes": (float(params * 4), f"{where}, {params:,} fp32 parameters"),
-                                "batch_per_node": (job.train.batch_per_rank * job.run.ranks_per_node,
-                                                   f"job {name}: train.batch_per_rank × run.ranks_per_node")})
+NETWORK_FIELDS = ("flops_per_example", "model_bytes", "batch_per_node")
+
+
+@dataclass(frozen=True)
+class JobNetwork:
+    """The job's network as the planner counts and times it: at its data's input shape where the
+    data is readable here, else at its workload's `default_input_shape`."""
+
+    job_name: str
+    workload: str
+    input_shape: tuple[int, ...]
+    flops: float  # training FLOPs per example
+    params: int
+    how: str  # how the FLOPs were counted
+    batch_per_node: int
+
+    @property
+    def name(self) -> str:
+        return f"the {self.workload} network at {'x'.join(str(x) for x in self.input_shape)}"
+
+    @classmethod
+    def of(cls, job_ref: str, overrides: tuple[str, ...] = ()) -> "JobNetwork":
+        job = load_job(job_ref, list(overrides))
+        workload = get_workload(job.workload)
+        batch = job.train.batch_per_rank * job.run.ranks_per_node
+        try:
+            shape = tuple(int(x) for x in workload.input_shape(job))
+        except (OSError, ValueError) as exc:  # not here, or not readable (DataFileError)
+            if workload.default_input_shape is None:
+                raise PlanInputError(f"the {job.workload} network's input shape comes from its data, not readable "
+                                     f"here ({exc})") from None
+            flops, params = job.model.cost(workload.default_input_shape)
+            return cls(resolve_job_path(job_ref).name, job.workload, tuple(workload.default_input_shape),
+                       float(flops.training), params, f"{job.workload}'s ModelConfig.cost at the workload's "
+                       f"default input shape (the job's data is not readable here)", batch)
+        counted = getattr(workload, "network_cost_and_source", None)
+        if counted is not None:
+            flops, how, params = counted(job)
+        else:
+            (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
+        return cls(resolve_job_path(job_ref).name, job.workload, shape, float(flops), params, how, batch)
+
+    def applied_to(self, inputs: PlanInputs) -> PlanInputs:
+        """`inputs` with this network's FLOPs, size and batch, except the fields a file of inputs
+        gave or the paper's preset holds (the paper check plans the paper's network)."""
+        where = f"job {self.job_name}: {self.name}"
+        values = {"flops_per_example": (self.flops, f"{where}, FLOPs by {self.how}"),
+                  "model_bytes": (float(self.params * 4), f"{where}, {self.params:,} fp32 parameters"),
+                  "batch_per_node": (self.batch_per_node,
+                                     f"job {self.job_name}: train.batch_per_rank × run.ranks_per_node")}
+        paper = inputs.label.startswith("paper")
+        return inputs.with_sourced({name: value for name, value in values.items()
+                                    if not paper and not inputs.source(name).startswith("given in")})

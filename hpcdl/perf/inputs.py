@@ -18,7 +18,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 from hpcdl.config import DeltaDtype, ExchangeKind, choices
 from hpcdl.fs.files import read_regular
-from hpcdl.perf.model import hep_network
+from hpcdl.workloads import get_workload
 
 
 class InputField(NamedTuple):
@@ -138,26 +138,25 @@ class PlanInputs:
 
     @classmethod
     def measured_here(cls, node_flops: float, *, batch_per_node: int = 128,
-                      image: Sequence[int] = (224, 224, 3), model: Any = None,
+                      input_shape: Sequence[int] = (224, 224, 3), model: Any = None, network: str = "hep",
                       source: str = "measured on this machine", **overrides: Any) -> "PlanInputs":
         """hpcdl's own scheme (:data:`HPCDL_DEFAULTS`) with a node rate measured here.
 
-        `model` is a HepModelConfig (or anything with filters, conv_layers, kernel, pool); the
-        HEP network's FLOPs and size follow from it and `image`. Every other field keeps its
-        default unless given in `overrides`, whose source is `source`.
+        `model` is the ModelConfig of the workload named `network` (its `cost(input_shape)` counts
+        the network's FLOPs and size), by default that of hpcdl's default job, hep, at the paper's
+        images. Every other field keeps its default unless given in `overrides`, whose source is
+        `source`.
         """
-        m = dict(filters=128, conv_layers=5, kernel=3, pool=2)
-        if model is not None:
-            m = {k: getattr(model, k) for k in m}
-        flops, params = hep_network(image, **m)
-        shape = "x".join(str(int(x)) for x in image)
+        model = model if model is not None else default_model()
+        flops, params = model.cost(tuple(input_shape))
+        network = f"the {network} network at {'x'.join(str(int(x)) for x in input_shape)}"
         preset = dict(HPCDL_DEFAULTS)
         preset.update(
             node_flops=(float(node_flops), source),
-            flops_per_example=(float(flops.training), f"HEP network at {shape}, HepModelConfig.cost"),
+            flops_per_example=(float(flops.training), f"{network}, its ModelConfig.cost"),
             batch_per_node=(int(batch_per_node), "hpcdl's HEP job (jobs/hep.toml)"
                             if batch_per_node == 128 else source),
-            model_bytes=(float(params * 4), f"{params:,} fp32 parameters of the HEP network"),
+            model_bytes=(float(params * 4), f"{params:,} fp32 parameters of {network}"),
         )
         base = cls.from_preset(preset, label=f"hpcdl, node rate: {source.split(':')[0]}")
         return base.with_values(source, **overrides) if overrides else base
@@ -332,14 +331,19 @@ def _checked(name: str, kind: str, value: Any) -> Any:
 
 # -- presets: name -> (value, source) -------------------------------------------------------------
 
-_PAPER_FLOPS, _PAPER_PARAMS = hep_network()
+def default_model():
+    """The network of hpcdl's default job (hep), through the workload registry."""
+    return get_workload("hep").ModelConfig()
+
+
+_PAPER_FLOPS, _PAPER_PARAMS = default_model().cost((224, 224, 3))
 
 # The paper's HEP run at ~9600 nodes. README's Figures section says which of these are certain,
 # which recalled, and how much the paper check depends on each.
 PAPER_CORI_HEP: dict[str, tuple[Any, str]] = {
     "node_flops": (1.90e12, "paper: HEP single-node rate on a Xeon Phi 7250 (Intel Caffe)"),
     "flops_per_example": (float(_PAPER_FLOPS.training),
-                          "hpcdl HEP network at 224x224x3, HepModelConfig.cost"),
+                          "hpcdl's hep network at 224x224x3, its ModelConfig.cost"),
     "batch_per_node": (8, "paper's per-node batch at scale (recalled; uncertain)"),
     "model_bytes": (float(_PAPER_PARAMS * 4), f"{_PAPER_PARAMS:,} fp32 parameters of the HEP network"),
     "allreduce_latency": (3.7e-6, "NERSC Cori page: Aries MPI latency 0.25-3.7 us (top)"),

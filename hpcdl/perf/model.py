@@ -26,18 +26,9 @@ Pure Python + numpy: the planner must run on a login node without TensorFlow.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
-
-from hpcdl.engine.flops import FlopCount
-from hpcdl.workloads.hep.config import HepModelConfig
-
-
-def hep_network(image: Sequence[int] = (224, 224, 3), filters: int = 128, conv_layers: int = 5,
-                kernel: int = 3, pool: int = 2) -> tuple[FlopCount, int]:
-    """FLOPs per example and parameter count of hpcdl's HEP network (`HepModelConfig.cost`)."""
-    return HepModelConfig(filters=filters, conv_layers=conv_layers, kernel=kernel, pool=pool).cost(image)
 
 
 def tree_rounds(nodes: int) -> int:

@@ -32,7 +32,6 @@ from hpcdl.perf.inputs import (
 )
 from hpcdl.perf.model import (
     allreduce_seconds,
-    hep_network,
     norm_ppf,
     sample_group_slowest,
     sample_slowest,
@@ -67,7 +66,7 @@ from hpcdl.perf.simulate import ExchangeSim, Update, simulate_exchange
 
 __all__ = [
     "FIELDS", "HPCDL_DEFAULTS", "JOB_EXCHANGE_FIELDS", "PAPER_CORI_HEP", "Assumption",
-    "InputField", "PlanInputs", "job_exchange_values", "with_job_exchange", "allreduce_seconds", "hep_network",
+    "InputField", "PlanInputs", "job_exchange_values", "with_job_exchange", "allreduce_seconds",
     "norm_ppf", "sample_group_slowest", "sample_slowest", "slow_nodes_per_group", "tree_collective_seconds", "tree_rounds",
     "MAX_APPLIER_UTILISATION", "MAX_EXCHANGE_SHARE", "PAPER_HEP_GROUPS", "PAPER_HEP_PEAK_FLOPS",
     "PAPER_HEP_SUSTAINED_FLOPS", "PAPER_HEP_WORKERS", "RULE", "EveryAdvice", "ShardAdvice", "GroupPlan", "Plan",

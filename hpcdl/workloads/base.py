@@ -20,6 +20,8 @@ installed. When each method is called, and where:
 * in each training rank: `compute_stats` (once per group, its root), `input_shape`,
   `build_model`, `train_batches`, `loss` (traced inside the step), and on the group's root
   `validate` every `train.validate_every` steps;
+* in `hpcdl plan` (the login node): `network_cost`, and, to time this machine's step, `input_shape`,
+  `build_model` and `example_batch`;
 * in `hpcdl export`: `build_model` from the checkpoint's manifest, then `serving`;
 * in `hpcdl evaluate`: the NaN/Inf scan of the file scored, `build_model` from the checkpoint's
   manifest (job, stats, input shape), then `evaluate`.
@@ -74,6 +76,9 @@ class Workload(ABC):
     name: str
     DataConfig: type
     ModelConfig: type  # with cost(input_shape) -> (FlopCount per example, parameters), no TensorFlow
+    # The input shape `hpcdl plan` counts and times the network at when the job's data is not
+    # readable where it plans (None: planning needs the data).
+    default_input_shape: tuple[int, ...] | None = None
     # Compute dtypes build_model accepts (Keras policy compute_dtype; the variables stay float32).
     compute_dtypes: tuple[str, ...] = ("float32",)
     # `hpcdl data generate <name>`: the module of the workload's synthetic-data generator ("":
@@ -147,6 +152,13 @@ class Workload(ABC):
         """A fresh model (see `Model`: a `tf.Module` with `flops()` and `named_variables()`)
         computing in `compute_dtype` (one of `compute_dtypes`); the same `model_config` and
         `input_shape` must give the same variable names every time."""
+
+    def example_batch(self, job, model, size: int, seed: int) -> tuple | None:
+        """`size` made-up examples for `model`, shaped as `train_batches` yields them, whose loss
+        is finite: what `hpcdl plan` times a training step on where the data is not read (their
+        values do not change the step's work). None (the default): this workload cannot make
+        one, and the planner asks for the node's rate instead."""
+        return None
 
     def network_cost(self, job) -> tuple[float, int]:
         """(training FLOPs per example, parameters) of the job's network at its data's input shape,

@@ -204,7 +204,7 @@ def test_the_planned_clock_times_the_planned_scale_not_the_emulated_one():
     from hpcdl.perf.inputs import PlanInputs
     from hpcdl.perf.model import allreduce_seconds
 
-    base = PlanInputs.measured_here(1e12, batch_per_node=8, image=(32, 32, 3))
+    base = PlanInputs.measured_here(1e12, batch_per_node=8, input_shape=(32, 32, 3))
     quiet = base.with_values("test", straggler_sigma=0.0)
     clock = RaceClock.planned(quiet, nodes=512, groups=4, seed=0)
     step = quiet.compute_seconds + allreduce_seconds(quiet, 128)  # P = 128 nodes, whatever the race's ranks

@@ -17,6 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
+
 from hpcdl.errors import JobError
 from hpcdl.workloads.base import GeneratorOption, Workload
 from hpcdl.workloads.common import traced_forward
@@ -88,6 +90,11 @@ class ClimateWorkload(Workload):
             shard=shard, shards=shards, seed=seed, labelled_share=job.data.labelled_share,
             labelled_only=job.model.reconstruction_weight == 0, prefetch=job.data.prefetch,
         )
+
+    def example_batch(self, job, model, size: int, seed: int) -> tuple:
+        x = np.random.default_rng(seed).standard_normal((size, *model.image_shape)).astype(np.float32)
+        target = np.zeros((size, *model.grid, 6), np.float32)  # labelled images without a box
+        return x, target, np.ones(size, np.float32)
 
     def loss(self, model, batch, training: bool):
         x, target, labelled = batch

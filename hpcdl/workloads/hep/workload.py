@@ -25,6 +25,7 @@ class HepWorkload(Workload):
     DataConfig = HepDataConfig
     ModelConfig = HepModelConfig
     compute_dtypes = ("float32", "bfloat16")
+    default_input_shape = (224, 224, 3)  # the paper's images
     generator_module = "hpcdl.workloads.hep.generate"
     generate_count = GeneratorOption("events", "events in total", low=10)
     generate_options = (GeneratorOption("image_size", "calorimeter image side (the paper: 64 or 224)",
@@ -76,6 +77,11 @@ class HepWorkload(Workload):
         with batches:  # closing this generator stops the prefetch thread and waits for it
             for x, y, w, _pass, _index in batches:
                 yield x, y, norm.event_weights(y, w)
+
+    def example_batch(self, job, model, size: int, seed: int) -> tuple:
+        rng = np.random.default_rng(seed)
+        images = rng.standard_normal((size, *model.image_shape)).astype(np.float32)
+        return images, (np.arange(size) % 2).astype(np.int32), np.ones(size, np.float32)
 
     def loss(self, model, batch, training: bool):
         return self.group_loss(model, batch, 1, training)

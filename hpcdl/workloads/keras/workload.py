@@ -148,20 +148,22 @@ class KerasWorkload(Workload):
         counted = own_flops(model.keras)
         if counted is not None:
             return counted, "the model's own flops()"
-        outputs = int(model.keras.outputs[0].shape[-1]) if model.keras.outputs else 1
-        n = FLOPS_TRACE_BATCH
-        x = np.zeros((n, *model.image_shape), np.float32)
-        # the loss's kind does not change the count that matters (the layers'); cross-entropy
-        # needs integer labels, a regression float ones
-        y = np.zeros(n, np.int32) if outputs > 1 or model.probabilities else np.zeros((n, outputs), np.float32)
         logger, level = tf.get_logger(), tf.get_logger().level
         logger.setLevel("ERROR")  # the v1 profiler's deprecation notices
         try:
-            flops = traced_flops(model, lambda m, b: self.loss(m, b, training=True), (x, y, np.ones(n, np.float32)),
+            flops = traced_flops(model, lambda m, b: self.loss(m, b, training=True),
+                                 self.example_batch(None, model, FLOPS_TRACE_BATCH, seed=0),
                                  [v for _, v in model.named_variables()])
         finally:
             logger.setLevel(level)
         return flops, "TensorFlow's cost analysis of the traced training step"
+
+    def example_batch(self, job, model, size: int, seed: int) -> tuple:
+        """Zeros: the loss's kind does not change the work that matters (the layers'); cross-entropy
+        needs integer labels, a regression float targets."""
+        outputs = int(model.keras.outputs[0].shape[-1]) if model.keras.outputs else 1
+        y = np.zeros(size, np.int32) if outputs > 1 or model.probabilities else np.zeros((size, outputs), np.float32)
+        return np.zeros((size, *model.image_shape), np.float32), y, np.ones(size, np.float32)
 
     def train_batches(self, job, stats, shard: int, shards: int, seed: int) -> Iterator[tuple]:
         arrays = ArrayFile.open(job.data.train, job.data)

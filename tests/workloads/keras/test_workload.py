@@ -147,6 +147,19 @@ def test_plan_counts_the_jobs_own_network_and_says_how(keras_job):
     assert inputs["batch_per_node"] == 32
 
 
+def test_plan_times_this_machines_step_of_the_jobs_own_network(keras_job):
+    proc = hpcdl("plan", str(keras_job), "--nodes", "4", "--json", cwd=keras_job.parent)
+    inputs = json.loads(proc.stdout)["inputs"]
+    assert inputs["node_flops"] > 0
+    assert inputs["sources"]["node_flops"].startswith("measured here: best of 2 steps of the keras network at 6")
+    job = load_job(str(keras_job))
+    workload = get_workload("keras")
+    model = workload.build_model(job.model, workload.input_shape(job), seed=0)
+    batch = workload.example_batch(job, model, 5, seed=0)  # what it was timed on: the reader's shapes
+    assert batch[0].shape == (5, 6) and batch[1].dtype == np.int32
+    assert np.isfinite(float(workload.loss(model, batch, training=True)))
+
+
 def test_mixed_bfloat16_computes_in_bfloat16_with_float32_weights_and_loss(keras_job):
     job = load_job(str(keras_job))
     workload = get_workload("keras")
