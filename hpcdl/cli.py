@@ -148,17 +148,13 @@ def _start_and_report(job, start, detach: bool, as_json: bool) -> None:
     watched to its end exits 0 only if status calls it finished; otherwise each group that did
     not finish says why, and the exit status is 1."""
     from hpcdl.commands.display import GroupProgress
-    from hpcdl.rundir.runs import RunDir, State
-    from hpcdl.commands.status import run_outcome
+    from hpcdl.commands.status import with_outcome
 
     if as_json or detach:
-        result = start(detach=detach)
+        result = with_outcome(start(detach=detach))
     else:
         with GroupProgress(console, job.train.steps) as progress:
-            result = start(detach=False, watch=progress.update)
-    if "ok" in result:  # watched to its end
-        result.update(run_outcome(RunDir(Path(result["run_dir"]))))
-        result["ok"] = result["ok"] and result["state"] == State.FINISHED
+            result = with_outcome(start(detach=False, watch=progress.update))
     if as_json:
         _emit_json(result)
     else:
@@ -194,12 +190,11 @@ def resume(run, overrides, backend, runs_dir, no_check_data, detach, as_json):
     """Continue RUN (a run directory or id) in place: every group from its newest checkpoint, the
     applier from its state. For a run whose supervisor died, that was cancelled, gave up after
     its restarts, or finished and should train longer (--set train.steps=N)."""
+    from hpcdl.commands.display import ScanProgress
     from hpcdl.commands.resume import prepare_resume, resume_run
     from hpcdl.rundir.runs import find_run
 
     settings = _settings({"run.backend": backend, "run.check_data": False if no_check_data else None})
-    from hpcdl.commands.display import ScanProgress
-
     with ScanProgress(err) as scan:
         prepared = prepare_resume(find_run(run, runs_dir), list(overrides), settings, on_note=_print_note,
                                   progress=scan)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 from hpcdl.exchange.channel import applier_status_file, applier_storage_file
@@ -332,11 +333,14 @@ def why_not_finished(group: dict[str, Any]) -> str:
     }.get(state, f"{state} {at}: neither hpcdl nor the backend says more")
 
 
-def run_outcome(run: RunDir) -> dict[str, Any]:
-    """How a run that was watched to its end ended: its state, and each group that did not
-    finish with why -- what a foreground `hpcdl submit` or `resume` reports and exits by."""
-    status = collect(run)
-    return {"state": status["state"],
+def with_outcome(started: dict[str, Any]) -> dict[str, Any]:
+    """A started run's result (submit's or resume's), with, if it was watched to its end ("ok" in
+    it), how it ended: its state, each group that did not finish with why, and "ok" only if the
+    run finished -- what a foreground `hpcdl submit` or `resume` reports and exits by."""
+    if "ok" not in started:
+        return started
+    status = collect(RunDir(Path(started["run_dir"])))
+    return {**started, "state": status["state"], "ok": started["ok"] and status["state"] == State.FINISHED,
             "not_finished": [{"group": g["group"], "state": g["state"], "why": g["why"]}
                              for g in status["groups"] if g["state"] != State.FINISHED]}
 
