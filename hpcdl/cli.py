@@ -499,16 +499,17 @@ def workloads(as_json):
 @click.option("--race-ranks", default=8, show_default=True, type=click.IntRange(min=1), help="--target: ranks the race trains (its group counts divide it); time is the planner's at --nodes.")
 @click.option("--race-steps", default=300, show_default=True, type=click.IntRange(min=2), help="--target: each race's horizon, in steps of the synchronous group.")
 @click.option("--race-seeds", default=3, show_default=True, type=click.IntRange(min=1), help="--target: race seeds per group count (the rates are tuned on another).")
+@click.option("--race-set", "race_overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="--target: a field of the copy of the job the race trains, e.g. model.filters=16 or train.batch_per_rank=8 (repeatable): a smaller copy learns in its stead; the time stays the planned network's.")
 @click.option("--race-budget", default=15.0, show_default=True, type=FiniteFloatRange(min=0.0), help="--target: minutes the races may take on this machine, estimated from a measured step before they start; over it, plan stops and says what to lower (0: no limit).")
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
          max_applier_util, max_exchange_share, from_run, runs_dir, seed, target, race_ranks, race_steps,
-         race_seeds, race_budget, as_json):
+         race_seeds, race_overrides, race_budget, as_json):
     """Predict step time, FLOP/s, applier load and staleness for each way of splitting --nodes
     into groups, recommend one and the steps between exchanges (exchange.every) for it. Every
-    assumption is printed. JOB is a job's name (hep, climate) or a job file of any workload; but
-    for hep, its network's FLOPs and size are counted from the model it builds (from its data's
-    shape). With --from-run the stragglers are measured: a short synchronous run of the job shows them. With --target the
+    assumption is printed. JOB is a job's name (hep, climate) or a job file of any workload; its
+    network's FLOPs and size are counted from the model it builds at its data's shape (hep without
+    its data: the paper's 224²). With --from-run the stragglers are measured: a short synchronous run of the job shows them. With --target the
     time to accuracy decides: the job's model races on its data for every group count."""
     from hpcdl.commands.display import accuracy_view, paper_check_text, plan_view
     from hpcdl.perf.command import PlanRequest, make_plan
@@ -522,7 +523,7 @@ def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, stal
     request = PlanRequest(workload, nodes, inputs_spec or "", node_flops, counts, tuple(overrides),
                           staleness_bound, max_applier_util, max_exchange_share,
                           find_run(from_run, runs_dir) if from_run else None, seed, target or "",
-                          race_ranks, race_steps, race_seeds, race_budget * 60)
+                          race_ranks, race_steps, race_seeds, race_budget * 60, tuple(race_overrides))
     with _RaceProgress() as progress:
         outcome = make_plan(request, note=_print_note, race_progress=progress.start)
     if as_json:

@@ -43,6 +43,7 @@ class PlanRequest:
     race_steps: int = 300
     race_seeds: int = 3
     race_budget_s: float = 900.0  # 0: no limit
+    race_overrides: tuple[str, ...] = ()  # the copy of the job the race trains, e.g. a narrower model
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,8 @@ def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[in
           race_progress: Callable[[int], Callable[[str], None]] | None):
     from hpcdl.perf.race_worker import plan_accuracy
 
-    job = load_job(request.job, list(request.overrides))  # the exchange the plan models is the one raced
+    # the exchange the plan models is the one raced; the race may learn on a smaller copy of the job
+    job = load_job(request.job, [*request.overrides, *request.race_overrides])
     races = len(groups) * (3 + request.race_seeds)
     if request.race_budget_s:
         note(f"timing a step and a score of the job here: {races} races must fit --race-budget "
@@ -143,7 +145,8 @@ def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[in
     return plan_accuracy(get_workload(job.workload), job, inputs, request.nodes, aim,
                          race_ranks=request.race_ranks, groups=groups, steps=request.race_steps,
                          race_seeds=request.race_seeds, tuning_seed=100 + request.seed,
-                         budget_s=request.race_budget_s, progress=on_race if race_progress else None)
+                         budget_s=request.race_budget_s, copy=request.race_overrides,
+                         progress=on_race if race_progress else None)
 
 
 NETWORK_FIELDS = ("flops_per_example", "model_bytes", "batch_per_node")

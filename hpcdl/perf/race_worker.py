@@ -215,12 +215,14 @@ def duration(seconds: float) -> str:
 
 def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int, groups: list[int],
                   steps: int, race_seeds: int, tuning_seed: int, extend: int = 4, scores: int = 40,
-                  budget_s: float = 0.0, progress: Callable[[str], None] | None = None) -> AccuracyPlan:
+                  budget_s: float = 0.0, copy: tuple[str, ...] = (),
+                  progress: Callable[[str], None] | None = None) -> AccuracyPlan:
     """Race `job`'s model on its data for each group count of `nodes` (emulated at `race_ranks`
     ranks, timed at `nodes` by the planner's model under `inputs`), for `steps` steps of the
     synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend.
     With `budget_s`, a plan this machine would take longer than that for is refused before it
-    starts (ValueError), its estimate from a measured step."""
+    starts (ValueError), its estimate from a measured step. `copy`: the overrides that made `job`
+    a smaller copy of the planned one, said in what the plan rests on."""
     import tensorflow as tf
 
     from hpcdl.perf.accuracy import Run, race_groups, recommend
@@ -269,7 +271,7 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],
                            race_seeds=list(range(race_seeds)), extend=extend)
     basis = _basis(job, inputs, nodes, target, race_ranks, tuning_seed, extend, race_seeds, horizon, steps, every,
-                   untrained)
+                   untrained, copy)
     return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, recommend(outcomes), basis)
 
 
@@ -283,14 +285,16 @@ def _check_budget(workload, job, stats, scorer, steps: int, scores: int, races: 
             f"racing {races} times {steps} steps of {race_ranks} ranks × {job.train.batch_per_rank} examples "
             f"would take about {duration(races * one)} here ({step:.2g} s a step), over the budget of "
             f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
-            f"smaller copy of the job (narrower model, smaller batch) and say so; --race-budget 0 races anyway")
+            f"smaller copy of the job (--race-set model.…, --race-set train.batch_per_rank=…); "
+            f"--race-budget 0 races anyway")
 
 
 def _basis(job, inputs, nodes: int, target, race_ranks: int, tuning_seed: int, extend: int, race_seeds: int,
-           horizon: float, steps: int, every: float, untrained: list[float]) -> list[str]:
+           horizon: float, steps: int, every: float, untrained: list[float], copy: tuple[str, ...]) -> list[str]:
     """What the recommendation rests on: a line each for the learning, the time and the rates."""
+    model = f"a copy of the job ({', '.join(copy)}) on its data" if copy else "the job's model and data"
     return [
-        f"learning: the job's model and data, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
+        f"learning: {model}, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
         f"examples in G groups (a group's step averages its ranks' gradients); steps to {target} are assumed "
         f"not to change between {race_ranks} and {nodes} nodes",
         f"time: the planner's model at {nodes} nodes ({inputs.label}): a node's step "

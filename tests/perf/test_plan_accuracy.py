@@ -83,6 +83,18 @@ def test_text_names_the_recommendation_and_what_it_rests_on(job):
         assert piece in text, piece
 
 
+def test_a_smaller_copy_of_the_job_learns_while_the_time_stays_the_planned_networks(job):
+    result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--inputs", str(job / "quiet.toml"),
+                                       "--target", "accuracy=0.7", "--groups", "1", "--race-steps", "30",
+                                       "--race-seeds", "1", "--race-set", "train.batch_per_rank=8", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["inputs"]["batch_per_node"] == 32  # the job's, as the time is planned
+    learning = out["accuracy"]["basis"][0]
+    assert learning.startswith("learning: a copy of the job (train.batch_per_rank=8) on its data, 8 emulated ranks "
+                               "of 8 examples"), learning
+
+
 @pytest.mark.parametrize("args, match", [
     (("--target", "accuracy"), "METRIC=VALUE"),
     (("--target", "auc=0.9", "--groups", "1"), "gives accuracy, loss, not 'auc'"),
