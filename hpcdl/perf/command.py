@@ -149,9 +149,6 @@ def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[in
                          progress=on_race if race_progress else None)
 
 
-NETWORK_FIELDS = ("flops_per_example", "model_bytes", "batch_per_node")
-
-
 @dataclass(frozen=True)
 class JobNetwork:
     """The job's network as the planner counts and times it: at its data's input shape where the

@@ -149,14 +149,14 @@ class PlanInputs:
         """
         model = model if model is not None else default_model()
         flops, params = model.cost(tuple(input_shape))
-        network = f"the {network} network at {'x'.join(str(int(x)) for x in input_shape)}"
+        described = f"the {network} network at {'x'.join(str(int(x)) for x in input_shape)}"
         preset = dict(HPCDL_DEFAULTS)
         preset.update(
             node_flops=(float(node_flops), source),
-            flops_per_example=(float(flops.training), f"{network}, its ModelConfig.cost"),
+            flops_per_example=(float(flops.training), f"{described}, its ModelConfig.cost"),
             batch_per_node=(int(batch_per_node), "hpcdl's HEP job (jobs/hep.toml)"
                             if batch_per_node == 128 else source),
-            model_bytes=(float(params * 4), f"{params:,} fp32 parameters of {network}"),
+            model_bytes=(float(params * 4), f"{params:,} fp32 parameters of {described}"),
         )
         base = cls.from_preset(preset, label=f"hpcdl, node rate: {source.split(':')[0]}")
         return base.with_values(source, **overrides) if overrides else base
