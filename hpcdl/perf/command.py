@@ -99,12 +99,14 @@ def _inputs(request: PlanRequest, note: Callable[[str], None]) -> PlanInputs:
     else:
         node_flops, source = request.node_flops, "--node-flops"
         if node_flops is None:
-            from hpcdl.perf.measure import measure_in_subprocess
+            from hpcdl.perf.measure import CannotMeasure, measure_in_subprocess
 
             note(f"measuring this machine's training step of {network.name} (--node-flops skips this)")
             try:
                 here = measure_in_subprocess(job=request.job, input_shape=network.input_shape,
                                              overrides=request.overrides)
+            except CannotMeasure as exc:
+                raise PlanInputError(str(exc)) from None
             except RuntimeError as exc:
                 raise MeasureError(str(exc)) from None
             node_flops = here["node_flops"]

@@ -20,6 +20,7 @@ import time
 from typing import Any, Sequence
 
 MEASURE_TIMEOUT_S = 600.0
+CANNOT_MEASURE = 2  # the child's exit status for CannotMeasure
 
 
 class CannotMeasure(Exception):
@@ -68,13 +69,16 @@ def measure(job: str = "hep", input_shape: Sequence[int] = (224, 224, 3), steps:
 
 def measure_in_subprocess(job: str = "hep", input_shape: Sequence[int] = (224, 224, 3),
                           overrides: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
-    """`measure` in a fresh Python; RuntimeError with the child's last words if it fails."""
+    """`measure` in a fresh Python; CannotMeasure if the workload makes no example batch,
+    RuntimeError with the child's last words if it fails otherwise."""
     args = [f"--job={job}", f"--input-shape={'x'.join(str(int(x)) for x in input_shape)}",
             *(f"--set={o}" for o in overrides), *(f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items())]
     proc = subprocess.run([sys.executable, "-m", "hpcdl.perf.measure", "--json", *args],
                           capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        if proc.returncode == CANNOT_MEASURE:
+            raise CannotMeasure(last)
         raise RuntimeError(f"measuring this machine failed: {last}")
     return json.loads(proc.stdout)
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args.job, shape, args.steps, args.batch, args.set)
     except CannotMeasure as exc:
         print(exc, file=sys.stderr)
-        return 2
+        return CANNOT_MEASURE
     print(json.dumps(result) if args.json else
           f"{result['node_flops'] / 1e9:.1f} GFLOP/s ({result['step_s']:.2f} s per step of "
           f"{args.batch} of {result['network']}; {result['threads']})")

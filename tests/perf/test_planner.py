@@ -322,6 +322,12 @@ def test_plan_without_inputs_measures_this_machine(monkeypatch):
     result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "64"])
     assert result.exit_code == 1 and "measuring this machine failed: boom" in result.output
 
+    # a workload that makes no example batch: what to give instead, as for any input
+    monkeypatch.setattr(measure, "measure_in_subprocess", lambda **kw: (_ for _ in ()).throw(
+        measure.CannotMeasure("the x workload makes no example batch to time a step on: give the node's rate")))
+    result = CliRunner().invoke(main, ["plan", "hep", "--nodes", "64"])
+    assert result.exit_code == 2 and "give the node's rate" in result.output
+
 
 def test_runtime_under_two_seconds_for_9600_nodes():
     # CPU time, not wall time: the planner's own cost, whatever else shares the machine
