@@ -23,7 +23,9 @@ falls on all of them.
 Clocks start when the first group has logged its first 5 steps (start-up and first-step tracing,
 the same for all, are left out). The model is scored while it trains, on the whole validation
 file, every ~2 s: the synchronous group's newest checkpoint, or the applier's newest master
-weights. Reported per scenario and configuration, over the race seeds: the time to each target
+weights; its validation loss too, as bench.emulated_race scores it (a run goes on until it reached
+LOSS_TARGETS, for bench.race_validation --metric loss). Reported per scenario and configuration,
+over the race seeds: the time to each target
 (AUC 0.90, 0.93, and the best the tuned synchronous run holds over two scores), the ratio to the
 tuned synchronous run (median of the per-seed ratios and a bootstrap 95 % interval over seeds),
 the AUC at fixed times, the applier's updates/s and staleness, the roots' share of training spent
@@ -34,6 +36,7 @@ AUC against time, the median over seeds with its range as a band, the targets ma
 
     .venv/bin/python -m bench.hybrid_race                       # scenarios a, b; sweep + 3 seeds
     .venv/bin/python -m bench.hybrid_race --quick --scenarios a # no sweep, 1 seed, short budget
+    .venv/bin/python -m bench.hybrid_race --rates 1:2e-3,8:3.5e-4 --seeds 5   # given rates, no sweep
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ from pathlib import Path
 
 from bench.harness import HPCDL, Probe, log, machine, result_path, write_result
 from bench.race_common import (
-    BATCH, CONFIGS, DEFAULT_CONFIGS, FIXED_TIMES, GRID, IMAGE, MODEL, RANKS, SCENARIOS, SCORE_EVERY_S, SUITE, SYNC,
-    TARGETS, Config, Result, StopRule, Watched, generated, held, named,
+    BATCH, CONFIGS, DEFAULT_CONFIGS, FIXED_TIMES, GRID, IMAGE, LOSS_TARGETS, MODEL, RANKS, SCENARIOS, SCORE_EVERY_S,
+    SUITE, SYNC, TARGETS, Config, Result, StopRule, Watched, generated, held, loss_key, named,
 )
 from bench.race_summary import auc_at, markdown, picture, render, summarise
 from hpcdl.rundir.runs import RunDir
@@ -59,7 +62,7 @@ from hpcdl.rundir.runs import RunDir
 
 def race_one(args, files, scorer, scenario: str, config: Config, seed: int, rate: float, phase: str,
              rule: StopRule) -> Result:
-    res = Result(scenario, config.name, seed, rate, phase, {k: None for k in rule.targets})
+    res = Result(scenario, config.name, seed, rate, phase, {k: None for k in rule.names})
     runs = args.work / "runs" / f"{phase}-{scenario}-{config.name.replace(' ', '_')}-s{seed}-r{rate:.3g}"
     shutil.rmtree(runs, ignore_errors=True)
     keep = runs / "snapshots"
@@ -141,21 +144,24 @@ def _submit_command(args, files, scenario: str, config: Config, seed: int, rate:
 
 def _score(res: Result, watched: Watched, scorer, stats, val, keep: Path, start: float, config: Config,
            rule: StopRule) -> float | None:
-    """Score the run's newest model (a snapshot kept in `keep`) into `res`: its curve, best AUC,
-    times to the targets and whether the stop rule holds. The time scored, or None without a
-    snapshot."""
+    """Score the run's newest model (a snapshot kept in `keep`) into `res`: its curves (AUC and
+    validation loss), best AUC, times to the targets and whether the stop rule holds. The time
+    scored, or None without a snapshot."""
     snap = watched.snapshot(keep)
     if snap is None:
         return None
     scored = time.time()
-    auc = scorer.ask(op="auc", snapshots=[str(snap[0])], stats=stats, model=MODEL,
-                     input_shape=[IMAGE, IMAGE, 3], data=[str(val)],
-                     run_dir=str(watched.run.root))["results"][0]["auc_unweighted"]
+    scores = scorer.ask(op="auc", snapshots=[str(snap[0])], stats=stats, model=MODEL,
+                        input_shape=[IMAGE, IMAGE, 3], data=[str(val)],
+                        run_dir=str(watched.run.root))["results"][0]
+    auc, loss = scores["auc_unweighted"], scores["loss"]
     seen = scored - start
     res.curve.append((round(seen, 2), config.samples(snap[1]), round(auc, 4)))
+    res.loss_curve.append((round(seen, 2), config.samples(snap[1]), round(loss, 4)))
     res.best_auc = max(res.best_auc, auc)
-    for key, t in rule.targets.items():
-        if auc >= t and res.times_to_target[key] is None:
+    reached = {**{k: auc >= t for k, t in rule.targets.items()}, **{loss_key(t): loss <= t for t in rule.losses}}
+    for key, met in reached.items():
+        if met and res.times_to_target[key] is None:
             res.times_to_target[key] = round(seen, 2)
     if all(v is not None for v in res.times_to_target.values()) and seen >= rule.run_until:
         res.stopped = "every target reached"
@@ -165,7 +171,7 @@ def _score(res: Result, watched: Watched, scorer, stats, val, keep: Path, start:
 def _log_result(res: Result) -> None:
     reached = ", ".join(f"{t} at {v:.0f} s" for t, v in res.times_to_target.items() if v is not None)
     log(f"  {res.phase} {res.scenario} {res.config} seed {res.seed} rate {res.rate:.3g}: "
-        + (f"AUC {reached}" if reached else "no target") + f", best {res.best_auc:.3f}"
+        + (f"reached {reached}" if reached else "no target") + f", best {res.best_auc:.3f}"
         + (f", stale {res.staleness_mean:.1f}/{res.staleness_p95:.0f}" if res.staleness_mean is not None else "")
         + (f", wait {100 * res.wait_share:.1f} %" if res.wait_share is not None else "")
         + (f", restarts {res.restarts}" if res.restarts else "")
@@ -220,12 +226,13 @@ def main(argv=None) -> int:
         return 0
     if args.quick:
         args.seeds, args.budget = 1, min(args.budget, 45.0)
-    args.tuning_seeds = [] if args.quick else [int(s) for s in args.tuning_seeds.split(",")]
     scenarios = args.scenarios.split(",")
     names = args.configs.split(",")
     configs = [c for c in CONFIGS if c.name in names]
     if SYNC not in configs:
         configs.insert(0, SYNC)  # the synchronous run is every ratio's denominator
+    fixed = _fixed_rates(args.rates, configs)
+    args.tuning_seeds = [] if args.quick or fixed else [int(s) for s in args.tuning_seeds.split(",")]
     args.work.mkdir(parents=True, exist_ok=True)
     files = generated(args.work, args.events)
     logdir = args.work / "logs"
@@ -253,7 +260,7 @@ def main(argv=None) -> int:
                               "the load (each run's load average before and after is in runs[].load)",
             "quick": args.quick, "seeds": args.seeds, "tuning_seeds": args.tuning_seeds,
             "scenarios_done": done, "scenarios_asked": scenarios,
-            "targets": list(TARGETS) + ["sync best"], "fixed_times_s": list(FIXED_TIMES), "grid": list(GRID),
+            "targets": list(TARGETS) + ["sync best"], "loss_targets": list(LOSS_TARGETS), "fixed_times_s": list(FIXED_TIMES), "grid": list(GRID),
             "ranks": RANKS, "batch_per_rank": BATCH, "image": IMAGE, "model": MODEL,
             "step_seconds": args.step_seconds, "budget_s": args.budget, "events": args.events,
             "minutes": (time.time() - started) / 60, "chosen_rates": chosen, "summary": summary,
@@ -266,7 +273,7 @@ def main(argv=None) -> int:
     try:
         for n, sc in enumerate(scenarios):
             chosen[sc] = (sweep(args, files, scorer, sc, configs, results) if args.tuning_seeds
-                          else {c.name: c.rate for c in configs})
+                          else fixed or {c.name: c.rate for c in configs})
             log(f"({sc}) chosen rates: " + ", ".join(f"{k} {v:.3g}" for k, v in chosen[sc].items()))
             for seed in range(args.seeds):
                 results += _race_seed(args, files, scorer, sc, configs, chosen[sc], seed)
@@ -276,6 +283,18 @@ def main(argv=None) -> int:
     elapsed = (time.time() - started) / 60
     log(f"results: {path} and its pictures ({elapsed:.1f} min)")
     return 0
+
+
+def _fixed_rates(text: str, configs: list[Config]) -> dict[str, float]:
+    """`--rates G:RATE,...` as each configuration's rate (by its group count), or {} for a sweep."""
+    if not text:
+        return {}
+    by_groups = {int(g): float(r) for g, r in (item.split(":") for item in text.split(","))}
+    missing = [c.name for c in configs if c.groups not in by_groups]
+    if missing or len({c.groups for c in configs}) < len(configs):
+        raise SystemExit(f"--rates needs one rate per group count of the configurations raced; "
+                         f"missing or ambiguous: {', '.join(missing) or 'two configurations share a G'}")
+    return {c.name: by_groups[c.groups] for c in configs}
 
 
 def _race_seed(args, files, scorer, scenario: str, configs: list[Config], rates: dict, seed: int) -> list[Result]:
@@ -303,6 +322,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--tuning-seeds", default="100", help="the sweep's seeds, comma-separated")
     ap.add_argument("--scenarios", default="a,b")
     ap.add_argument("--configs", default=DEFAULT_CONFIGS, help="comma-separated names")
+    ap.add_argument("--rates", default="", help="G:RATE,... race at these rates without a sweep (beside "
+                                                 "bench.emulated_race --rates, to validate it)")
     ap.add_argument("--step-seconds", type=float, default=0.2)
     ap.add_argument("--budget", type=float, default=60.0, help="seconds of training at most per run")
     ap.add_argument("--events", type=int, default=20000)

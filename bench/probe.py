@@ -263,7 +263,11 @@ class TfProbe:
             parts = [WORKLOAD.scores(model, cmd["stats"], Path(d), batch_size=600) for d in cmd["data"]]
             s = {k: np.concatenate([p[k] for p in parts]) for k in ("score", "y", "w")}
             r = metrics.evaluate_scores(s["score"], s["y"], s["w"])
-            out.append({"path": path, "auc_weighted": r.auc_weighted, "auc_unweighted": r.auc_unweighted})
+            # the validation loss as bench.emulated_race scores it: the workload's own, on the
+            # first loss_events examples of the first file
+            loss = WORKLOAD.validate(model, cmd["stats"], Path(cmd["data"][0]), cmd.get("loss_events", 1024))["loss"]
+            out.append({"path": path, "auc_weighted": r.auc_weighted, "auc_unweighted": r.auc_unweighted,
+                        "loss": loss})
         return {"results": out}
 
 

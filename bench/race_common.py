@@ -20,6 +20,7 @@ IMAGE = 32
 MODEL = {"filters": 16, "conv_layers": 4, "dropout": 0.0}
 SCORE_EVERY_S = 2.0
 TARGETS = (0.90, 0.93)  # and the tuned synchronous run's best ("sync best")
+LOSS_TARGETS = (0.5, 0.4, 0.3)  # the validation loss, as bench.emulated_race races it
 FIXED_TIMES = (15.0, 30.0, 45.0)  # seconds of training: the AUC each configuration has then
 GRID = (0.5, 1.0, 2.0)  # the sweep: these multiples of a configuration's centre rate
 TRAIN_RATE = 1e-3  # the job's train.learning_rate (jobs/hep.toml)
@@ -91,6 +92,7 @@ class Result:
     best_auc: float = 0.0
     held_auc: float = 0.0  # the best AUC held over two consecutive scores
     curve: list = field(default_factory=list)  # (seconds since the first step, samples, auc)
+    loss_curve: list = field(default_factory=list)  # (seconds, samples, validation loss) at the same scores
     startup_s: float | None = None  # submit to the first group's first window
     trained_s: float = 0.0
     teardown_s: float = 0.0
@@ -109,6 +111,15 @@ class StopRule:
     targets: dict[str, float]  # name -> AUC
     budget: float
     run_until: float = 0.0  # seconds of training a run goes on for at least
+    losses: tuple[float, ...] = LOSS_TARGETS  # validation losses a run goes on for until reached
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.targets, *(loss_key(t) for t in self.losses)]
+
+
+def loss_key(level: float) -> str:
+    return f"loss {level:g}"
 
 
 def named(targets) -> dict[str, float]:

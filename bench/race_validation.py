@@ -7,7 +7,7 @@ Time tells whether the two agree; samples tell why they do not: equal samples at
 mean the clocks differ (the wall-clock race's ranks slower than their emulated step on a loaded
 machine, its start-up, its scorer's pace), unequal samples mean the learning differs.
 
-    .venv/bin/python -m bench.race_validation WALL.json EMULATED.json [EMULATED.json ...]
+    .venv/bin/python -m bench.race_validation WALL.json EMULATED.json [EMULATED.json ...] [--metric loss]
 
 WALL.json is a bench.hybrid_race result, each EMULATED.json a bench.emulated_race result run with
 `--rates` set to the wall-clock race's chosen rates (see docs/results.md).
@@ -29,10 +29,14 @@ CONFIGS = {"1x8 sync": 1, "8x1 job defaults": 8}  # hybrid_race's configuration 
 TOLERANCE = 0.25  # issue 31: the emulated time within ±25 % of the wall-clock race's median
 
 
-def reached(curve, target: float) -> tuple[float | None, int | None]:
-    """(time, samples) from which the AUC holds `target` over two scores; curve rows end in
-    (…, samples at index 1, AUC last)."""
-    at = Run(curve, False).reached_at(Target("auc_unweighted", target, True))
+# the metric -> the wall-clock run's curve holding it, and the default targets
+METRICS = {"auc_unweighted": ("curve", "0.9,0.93"), "loss": ("loss_curve", "0.5,0.4,0.3")}
+
+
+def reached(curve, target: Target) -> tuple[float | None, int | None]:
+    """(time, samples) from which `target` holds over two scores; curve rows end in
+    (…, samples at index 1, score last)."""
+    at = Run(curve, False).reached_at(target)
     if at is None:
         return None, None
     return at, next(row[1] for row in curve if row[0] == at)
@@ -47,15 +51,16 @@ def median_or_none(values: list) -> float | None:
     return middle if math.isfinite(middle) else None
 
 
-def side(runs: list[dict], target: float) -> dict:
-    """One race's times and samples to `target` per seed, and their medians."""
-    times, samples = zip(*(reached(r["curve"], target) for r in runs)) if runs else ((), ())
+def side(runs: list[dict], target: Target, curve: str = "curve") -> dict:
+    """One race's times and samples to `target` per seed (on each run's `curve`), and their medians."""
+    times, samples = zip(*(reached(r[curve], target) for r in runs)) if runs else ((), ())
     return {"times": list(times), "samples": list(samples), "median_s": median_or_none(list(times)),
             "median_samples": median_or_none(list(samples))}
 
 
-def compare(wall: dict, emulated: list[dict], targets: tuple[float, ...]) -> list[dict]:
+def compare(wall: dict, emulated: list[dict], targets: tuple[float, ...], metric: str = "auc_unweighted") -> list[dict]:
     rows = []
+    emulated = [doc for doc in emulated if doc.get("metric", metric) == metric]
     for scenario, emulated_scenario in SCENARIOS.items():
         for config, groups in CONFIGS.items():
             w = [r for r in wall["runs"] if r["phase"] == "race" and r["scenario"] == scenario
@@ -65,7 +70,8 @@ def compare(wall: dict, emulated: list[dict], targets: tuple[float, ...]) -> lis
             if not w or not e:
                 continue
             for t in targets:
-                ws, es = side(w, t), side(e, t)
+                target = Target.parse(f"{metric}={t}")
+                ws, es = side(w, target, METRICS[metric][0]), side(e, target)
                 ratio = es["median_s"] / ws["median_s"] if ws["median_s"] and es["median_s"] else None
                 rows.append({"scenario": scenario, "config": config, "target": t, "rate_wall": w[0]["rate"],
                              "rate_emulated": e[0]["rate"], "wall": ws, "emulated": es, "ratio": ratio,
@@ -110,13 +116,16 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("wall", type=Path)
     ap.add_argument("emulated", type=Path, nargs="+")
-    ap.add_argument("--targets", default="0.9,0.93")
+    ap.add_argument("--metric", default="auc_unweighted", choices=sorted(METRICS),
+                    help="loss needs a wall-clock result that recorded it (loss_curve) and emulated races run with it")
+    ap.add_argument("--targets", default="", help="comma-separated levels (default: the metric's)")
     args = ap.parse_args(argv)
     wall = json.loads(args.wall.read_text())
     emulated = [json.loads(p.read_text()) for p in args.emulated]
-    rows = compare(wall, emulated, tuple(float(t) for t in args.targets.split(",")))
+    levels = args.targets or METRICS[args.metric][1]
+    rows = compare(wall, emulated, tuple(float(t) for t in levels.split(",")), args.metric)
     if not rows:
-        print("no configuration is in both results", file=sys.stderr)
+        print(f"no configuration is in both results with the {args.metric} scored", file=sys.stderr)
         return 1
     print(table(rows))
     print("\nsame order of configurations (scenario target: yes/no/— where a median is missing): "

@@ -3,6 +3,8 @@ their interval over seeds, the AUC at fixed times, and the picture beside the JS
 
 from __future__ import annotations
 
+import pytest
+
 from bench import hybrid_race as race, race_common as common, race_summary
 from bench.race_common import Result
 
@@ -62,3 +64,48 @@ def test_the_picture_is_a_png_beside_the_result(tmp_path):
     summary = race_summary.summarise(results, configs, ["a"], {"a": {c.name: c.rate for c in configs}}, {})
     path = race_summary.picture(tmp_path / "race-a.png", "a", summary["a"], results, 60.0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class _Scorer:
+    """The eval probe's answer for a run whose AUC is already high while its loss falls slowly."""
+
+    def __init__(self, losses):
+        self.losses = iter(losses)
+
+    def ask(self, **_cmd):
+        return {"results": [{"auc_unweighted": 0.95, "loss": next(self.losses)}]}
+
+
+class _Watched:
+    class run:
+        root = "run"
+
+    @staticmethod
+    def snapshot(_keep):
+        return "ckpt-5", 5
+
+
+def test_a_run_goes_on_until_its_loss_targets_too_are_reached(monkeypatch):
+    clock = iter(range(100, 200, 2))
+    monkeypatch.setattr(race.time, "time", lambda: float(next(clock)))
+    rule = common.StopRule(common.named([0.9]), 60.0, run_until=0.0, losses=(0.5, 0.4))
+    res = Result("a", common.SYNC.name, 0, 1e-3, "race", {k: None for k in rule.names})
+    scorer = _Scorer([0.6, 0.45, 0.38])
+    for _ in range(3):
+        race._score(res, _Watched, scorer, {}, "val", None, 100.0, common.SYNC, rule)
+        if res.stopped:
+            break
+    assert res.times_to_target == {"0.9": 0.0, "loss 0.5": 2.0, "loss 0.4": 4.0}
+    assert [row[2] for row in res.loss_curve] == [0.6, 0.45, 0.38]
+    assert res.loss_curve[0][1] == common.SYNC.samples(5)
+    assert res.stopped == "every target reached"
+
+
+def test_fixed_rates_go_to_the_configurations_by_their_group_count():
+    configs = [common.SYNC, common.job_defaults(8)]
+    assert race._fixed_rates("1:2e-3,8:3.5e-4", configs) == {"1x8 sync": 2e-3, "8x1 job defaults": 3.5e-4}
+    assert race._fixed_rates("", configs) == {}
+    with pytest.raises(SystemExit, match="8x1 job defaults"):
+        race._fixed_rates("1:2e-3", configs)
+    with pytest.raises(SystemExit, match="share a G"):
+        race._fixed_rates("1:2e-3,8:1e-3", [*configs, common.delta(8, 4)])

@@ -44,3 +44,16 @@ def test_times_and_samples_side_by_side_with_the_tolerance_and_the_order():
     assert hybrid["wall"]["median_s"] == 30.0 and hybrid["emulated"]["median_s"] == 40.0
     assert hybrid["ratio"] == pytest.approx(4 / 3) and not hybrid["within"]
     assert same_order(rows) == {"a 0.9": True}
+
+
+def test_the_loss_is_compared_on_the_wall_clock_runs_loss_curve_and_emulated_races_that_scored_it():
+    def falling(per_s):
+        return [(t, n, round(0.7 - (auc - 0.5) * per_s, 4)) for t, n, auc in climb(0.01, 300)]
+
+    wall = {"runs": [{**wall_run("1x8 sync", s, climb(0.02, 300)), "loss_curve": falling(1.0)} for s in range(3)]}
+    by_loss = {"metric": "loss", "runs": [emulated_run(1, s, falling(1.0)) for s in range(3)]}
+    by_auc = {"metric": "auc_unweighted", "runs": [emulated_run(1, s, climb(0.001, 300)) for s in range(3)]}
+    (row,) = compare(wall, [by_auc, by_loss], (0.5,), "loss")
+    # loss 0.7 - 0.01 t is at or below 0.5 from t = 20 s on both sides
+    assert row["wall"]["median_s"] == row["emulated"]["median_s"] == 20.0 and row["within"]
+    assert compare(wall, [by_auc], (0.5,), "loss") == []
