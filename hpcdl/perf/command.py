@@ -11,6 +11,7 @@ from typing import Any, Callable
 from hpcdl.errors import HpcdlError
 from hpcdl.jobfile import load_job, resolve_job_path
 from hpcdl.perf.accuracy import Target
+from hpcdl.perf.inputs import shape_text
 from hpcdl.perf.planner import Plan, PlanInputs, plan as plan_groups, with_job_exchange
 from hpcdl.workloads import get_workload
 
@@ -166,7 +167,7 @@ class JobNetwork:
 
     @property
     def name(self) -> str:
-        return f"the {self.workload} network at {'x'.join(str(x) for x in self.input_shape)}"
+        return f"the {self.workload} network at {shape_text(self.input_shape)}"
 
     @classmethod
     def of(cls, job_ref: str, overrides: tuple[str, ...] = ()) -> "JobNetwork":

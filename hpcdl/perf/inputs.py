@@ -67,6 +67,11 @@ class Assumption(NamedTuple):
     source: str
 
 
+def shape_text(shape: Sequence[int]) -> str:
+    """An input shape as the CLI's --input-shape takes it: 224x224x3."""
+    return "x".join(str(int(x)) for x in shape)
+
+
 @dataclass(frozen=True)
 class PlanInputs:
     """Everything the planner assumes; FIELDS says what each means, `sources` where it is from."""
@@ -149,7 +154,7 @@ class PlanInputs:
         """
         model = model if model is not None else default_model()
         flops, params = model.cost(tuple(input_shape))
-        described = f"the {network} network at {'x'.join(str(int(x)) for x in input_shape)}"
+        described = f"the {network} network at {shape_text(input_shape)}"
         preset = dict(HPCDL_DEFAULTS)
         preset.update(
             node_flops=(float(node_flops), source),

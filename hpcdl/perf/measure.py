@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Sequence
 
+from hpcdl.perf.inputs import shape_text
+
 MEASURE_TIMEOUT_S = 600.0
 CANNOT_MEASURE = 2  # the child's exit status for CannotMeasure
 
@@ -62,7 +64,7 @@ def measure(job: str = "hep", input_shape: Sequence[int] = (224, 224, 3), steps:
         seconds.append(time.perf_counter() - start)
     flops = model.flops().training * batch
     return {"node_flops": flops / min(seconds), "step_s": min(seconds), "steps": steps, "batch": batch,
-            "network": f"{spec.workload} at {'x'.join(str(int(x)) for x in input_shape)}",
+            "network": f"{spec.workload} at {shape_text(input_shape)}",
             "threads": f"intra-op {plan.intra_op}, inter-op {plan.inter_op}, "
                        f"oneDNN {'on' if plan.onednn else 'off'}, {plan.precision}"}
 
@@ -71,7 +73,7 @@ def measure_in_subprocess(job: str = "hep", input_shape: Sequence[int] = (224, 2
                           overrides: Sequence[str] = (), **kwargs: Any) -> dict[str, Any]:
     """`measure` in a fresh Python; CannotMeasure if the workload makes no example batch,
     RuntimeError with the child's last words if it fails otherwise."""
-    args = [f"--job={job}", f"--input-shape={'x'.join(str(int(x)) for x in input_shape)}",
+    args = [f"--job={job}", f"--input-shape={shape_text(input_shape)}",
             *(f"--set={o}" for o in overrides), *(f"--{k.replace('_', '-')}={v}" for k, v in kwargs.items())]
     proc = subprocess.run([sys.executable, "-m", "hpcdl.perf.measure", "--json", *args],
                           capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
