@@ -22,6 +22,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.harness import publish_png
+from bench.race_common import SCORE_EVERY_S
 from hpcdl.perf.accuracy import Run, Target
 
 SCENARIOS = {"a": "none", "b": "b"}  # hybrid_race's scenario -> emulated_race's
@@ -79,17 +81,25 @@ def compare(wall: dict, emulated: list[dict], targets: tuple[float, ...], metric
     return rows
 
 
-def same_order(rows: list[dict]) -> dict[str, bool | None]:
-    """Per scenario and target: do both races put the configurations in the same order?"""
-    out = {}
+def same_order(rows: list[dict], resolution: float = SCORE_EVERY_S) -> dict[str, str | None]:
+    """Per scenario and target: do both races put the configurations in the same order? "yes",
+    "no" (a pair ordered one way by one race and the other way by the other), "tie" (no pair
+    contradicts, but one race's medians of a pair lie within `resolution`, the interval at which
+    both races score: a difference it cannot see), None where a median is missing."""
+    out: dict[str, str | None] = {}
     for key in sorted({(r["scenario"], r["target"]) for r in rows}):
         group = [r for r in rows if (r["scenario"], r["target"]) == key]
+        name = f"{key[0]} {key[1]:g}"
         if any(r["ratio"] is None for r in group) or len(group) < 2:
-            out[f"{key[0]} {key[1]:g}"] = None
+            out[name] = None
             continue
-        by_wall = sorted(group, key=lambda r: r["wall"]["median_s"])
-        by_emulated = sorted(group, key=lambda r: r["emulated"]["median_s"])
-        out[f"{key[0]} {key[1]:g}"] = [r["config"] for r in by_wall] == [r["config"] for r in by_emulated]
+        verdicts = set()
+        for i, x in enumerate(group):
+            for y in group[i + 1:]:
+                dw = x["wall"]["median_s"] - y["wall"]["median_s"]
+                de = x["emulated"]["median_s"] - y["emulated"]["median_s"]
+                verdicts.add("tie" if min(abs(dw), abs(de)) < resolution else "yes" if dw * de > 0 else "no")
+        out[name] = "no" if "no" in verdicts else "tie" if "tie" in verdicts else "yes"
     return out
 
 
@@ -112,6 +122,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def picture(path: Path, wall: dict, emulated: list[dict], metric: str) -> Path:
+    """Per scenario, each configuration's median curve over seeds: wall-clock solid, emulated dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = METRICS[metric][0]
+    fig, axes = plt.subplots(1, len(SCENARIOS), figsize=(11, 4.2), dpi=110, sharey=True)
+    for ax, (scenario, emulated_scenario) in zip(axes, SCENARIOS.items()):
+        for colour, (config, groups) in zip(("C0", "C1"), CONFIGS.items()):
+            w = [r[curve] for r in wall["runs"] if r["phase"] == "race" and r["scenario"] == scenario
+                 and r["config"] == config]
+            e = [r["curve"] for doc in emulated for r in doc["runs"] if r["phase"] == "race"
+                 and r["scenario"] == emulated_scenario and r["groups"] == groups and r["ranks"] == 8]
+            for curves, style, side in ((w, "-", "wall-clock"), (e, "--", "emulated")):
+                ts, med = _median_curve(curves, wall["budget_s"])
+                ax.plot(ts, med, style, color=colour, label=f"{config}, {side} ({len(curves)} seeds)")
+        ax.set_title(f"({scenario}) {wall['summary'][scenario]['scenario']}", fontsize=10)
+        ax.set_xlabel("seconds since the first training step")
+    axes[0].set_ylabel(f"validation {metric}")
+    axes[-1].legend(fontsize=8)
+    return publish_png(path, fig)
+
+
+def _median_curve(curves: list, until: float) -> tuple[list[float], list[float]]:
+    """The median over `curves` of their last score at or before each second, while every curve has one."""
+    ts, med = [], []
+    for t in range(int(until) + 1):
+        values = [next((row[-1] for row in reversed(c) if row[0] <= t), None) for c in curves]
+        if not curves or None in values or any(c[-1][0] < t for c in curves):
+            continue
+        ts.append(t)
+        med.append(statistics.median(values))
+    return ts, med
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("wall", type=Path)
@@ -119,6 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--metric", default="auc_unweighted", choices=sorted(METRICS),
                     help="loss needs a wall-clock result that recorded it (loss_curve) and emulated races run with it")
     ap.add_argument("--targets", default="", help="comma-separated levels (default: the metric's)")
+    ap.add_argument("--png", type=Path, help="also draw both races' median curves here")
     args = ap.parse_args(argv)
     wall = json.loads(args.wall.read_text())
     emulated = [json.loads(p.read_text()) for p in args.emulated]
@@ -128,8 +176,11 @@ def main(argv=None) -> int:
         print(f"no configuration is in both results with the {args.metric} scored", file=sys.stderr)
         return 1
     print(table(rows))
-    print("\nsame order of configurations (scenario target: yes/no/— where a median is missing): "
-          + ", ".join(f"{k}: {'—' if v is None else 'yes' if v else 'no'}" for k, v in same_order(rows).items()))
+    print("\nsame order of configurations (scenario target: yes/no/tie/— where a median is missing): "
+          + ", ".join(f"{k}: {v or '—'}" for k, v in same_order(rows).items())
+          + f"\n(tie: a pair's medians within one scoring interval, {SCORE_EVERY_S:g} s, in one of the races)")
+    if args.png:
+        print(f"picture: {picture(args.png, wall, emulated, args.metric)}")
     return 0
 
 

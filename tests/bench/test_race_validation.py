@@ -43,7 +43,18 @@ def test_times_and_samples_side_by_side_with_the_tolerance_and_the_order():
     assert sync["wall"]["median_samples"] == 6000
     assert hybrid["wall"]["median_s"] == 30.0 and hybrid["emulated"]["median_s"] == 40.0
     assert hybrid["ratio"] == pytest.approx(4 / 3) and not hybrid["within"]
-    assert same_order(rows) == {"a 0.9": True}
+    assert same_order(rows) == {"a 0.9": "yes"}
+
+
+def test_an_order_is_contradicted_only_where_both_races_see_the_difference():
+    def row(config, wall_s, emulated_s):
+        return {"scenario": "a", "target": 0.5, "config": config, "ratio": wall_s and emulated_s / wall_s,
+                "wall": {"median_s": wall_s}, "emulated": {"median_s": emulated_s}}
+
+    # 0.2 s apart on the wall clock, scored every 2 s: a tie there, whatever the emulated order
+    assert same_order([row("1x8 sync", 17.5, 14.0), row("8x1", 17.3, 20.0)]) == {"a 0.5": "tie"}
+    assert same_order([row("1x8 sync", 24.0, 14.0), row("8x1", 17.3, 20.0)]) == {"a 0.5": "no"}
+    assert same_order([row("1x8 sync", 24.0, 14.0), row("8x1", None, 20.0)])["a 0.5"] is None
 
 
 def test_the_loss_is_compared_on_the_wall_clock_runs_loss_curve_and_emulated_races_that_scored_it():
