@@ -500,7 +500,7 @@ def workloads(as_json):
 @click.option("--race-steps", default=300, show_default=True, type=click.IntRange(min=2), help="--target: each race's horizon, in steps of the synchronous group.")
 @click.option("--race-seeds", default=3, show_default=True, type=click.IntRange(min=1), help="--target: race seeds per group count (the rates are tuned on another).")
 @click.option("--race-set", "race_overrides", multiple=True, metavar="SECTION.KEY=VALUE", help="--target: a field of the copy of the job the race trains, e.g. model.filters=16 or train.batch_per_rank=8 (repeatable): a smaller copy learns in its stead; the time stays the planned network's.")
-@click.option("--race-budget", default=15.0, show_default=True, type=FiniteFloatRange(min=0.0), help="--target: minutes the races may take on this machine, estimated from a measured step before they start; over it, plan stops and says what to lower (0: no limit).")
+@click.option("--race-budget", default=15.0, show_default=True, type=FiniteFloatRange(min=0.0), help="--target: minutes the races may take on this machine, estimated from a measured step before they start; over it, plan races a smaller copy of the job that fits (a narrower model, then a smaller batch), or stops and says what to lower (0: no limit).")
 @click.option("--json", "as_json", is_flag=True)
 def plan(workload, nodes, inputs_spec, node_flops, group_counts, overrides, staleness_bound,
          max_applier_util, max_exchange_share, from_run, runs_dir, seed, target, race_ranks, race_steps,

@@ -149,7 +149,7 @@ def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[in
                          race_ranks=request.race_ranks, groups=groups, steps=request.race_steps,
                          race_seeds=request.race_seeds, tuning_seed=100 + request.seed,
                          budget_s=request.race_budget_s, copy=request.race_overrides,
-                         progress=on_race if race_progress else None)
+                         progress=on_race if race_progress else None, note=note)
 
 
 @dataclass(frozen=True)

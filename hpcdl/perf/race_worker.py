@@ -216,13 +216,14 @@ def duration(seconds: float) -> str:
 def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int, groups: list[int],
                   steps: int, race_seeds: int, tuning_seed: int, extend: int = 4, scores: int = 40,
                   budget_s: float = 0.0, copy: tuple[str, ...] = (),
-                  progress: Callable[[str], None] | None = None) -> AccuracyPlan:
+                  progress: Callable[[str], None] | None = None,
+                  note: Callable[[str], None] = lambda _: None) -> AccuracyPlan:
     """Race `job`'s model on its data for each group count of `nodes` (emulated at `race_ranks`
     ranks, timed at `nodes` by the planner's model under `inputs`), for `steps` steps of the
     synchronous group's mean time; tune each count's rate, race `race_seeds` seeds, recommend.
-    With `budget_s`, a plan this machine would take longer than that for is refused before it
-    starts (ValueError), its estimate from a measured step. `copy`: the overrides that made `job`
-    a smaller copy of the planned one, said in what the plan rests on."""
+    With `budget_s`, races this machine would take longer than that for are run on a smaller copy
+    of the job that fits (:func:`fit_budget`), or refused before they start (ValueError). `copy`:
+    the overrides that made `job` a smaller copy of the planned one, said in what the plan rests on."""
     import tensorflow as tf
 
     from hpcdl.perf.accuracy import Run, race_groups, recommend
@@ -237,22 +238,32 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     stats = workload.compute_stats(job)
     horizon = steps * sync_step_seconds(inputs, nodes, job.train.seed)
     every = horizon / scores
-    scorer = make_scorer(workload, job, stats, workload.input_shape(job), val, job.train.validate_events,
-                         target.metric)
 
-    def race_job(g: int, rate: float, seed: int):
+    def race_job(job, g: int, rate: float, seed: int):
         lr = {"learning_rate": rate} if g == 1 else {}
         run = dataclasses.replace(job.run, nodes=race_ranks, group_size=race_ranks // g)
         train = dataclasses.replace(job.train, seed=seed, **lr)
         exchange = job.exchange if g == 1 else dataclasses.replace(job.exchange, learning_rate=rate)
         return dataclasses.replace(job, run=run, train=train, exchange=exchange)
 
+    fitted = ""
+    if budget_s:
+        races = len(groups) * (3 + race_seeds)  # a sweep's three rates and the race seeds, each count
+        raced, copy, fitted = fit_budget(
+            workload, race_job(job, 1, job.train.learning_rate, tuning_seed), stats, target.metric, val, steps,
+            scores, races, budget_s, copy)
+        job = dataclasses.replace(job, model=raced.model, train=dataclasses.replace(
+            job.train, batch_per_rank=raced.train.batch_per_rank))
+        if fitted:
+            note(f"{fitted}; racing a smaller copy ({', '.join(copy)})")
+    scorer = make_scorer(workload, job, stats, workload.input_shape(job), val, job.train.validate_events,
+                         target.metric)
     untrained: list[float] = []
 
     def outcome_of(g: int, rate: float, seed: int) -> Run:
         if progress:
             progress(f"G={g} rate {rate:.3g} seed {seed}")
-        result = emulated_race(workload, race_job(g, rate, seed), stats,
+        result = emulated_race(workload, race_job(job, g, rate, seed), stats,
                                RaceClock.planned(inputs, nodes, g, seed), score=scorer, score_every=every,
                                horizon=horizon, stop=lambda curve: Run(curve, False).reached_at(target) is not None)
         first = result.curve[0][-1]  # the untrained model's score
@@ -262,37 +273,91 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
         untrained.append(first)
         return Run(result.curve, result.stopped.startswith("not finite"))
 
-    if budget_s:
-        races = len(groups) * (3 + race_seeds)  # a sweep's three rates and the race seeds, each count
-        _check_budget(workload, race_job(1, job.train.learning_rate, tuning_seed), stats, scorer, steps, scores,
-                      races, race_ranks, budget_s)
     centres = {g: job.train.learning_rate if g == 1 else
                applier_learning_rate(job.exchange, job.train.learning_rate, g) for g in groups}
     outcomes = race_groups(outcome_of, groups, centres, target, horizon=horizon, tuning_seeds=[tuning_seed],
                            race_seeds=list(range(race_seeds)), extend=extend)
     basis = _basis(job, inputs, nodes, target, race_ranks, tuning_seed, extend, race_seeds, horizon, steps, every,
-                   untrained, copy)
+                   untrained, copy, fitted)
     return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, recommend(outcomes), basis)
 
 
-def _check_budget(workload, job, stats, scorer, steps: int, scores: int, races: int, race_ranks: int,
-                  budget_s: float) -> None:
-    """Refuse a plan this machine would take longer than `budget_s` for, its estimate from one
-    timed step and score of the job here (ValueError)."""
-    one, step = race_wall_seconds(workload, job, stats, scorer, steps, scores)
-    if races * one > budget_s:
-        raise ValueError(
-            f"racing {races} times {steps} steps of {race_ranks} ranks × {job.train.batch_per_rank} examples "
-            f"would take about {duration(races * one)} here ({step:.2g} s a step), over the budget of "
-            f"{budget_s / 60:g} min: lower --race-steps or --race-ranks, race fewer --groups, or race a "
-            f"smaller copy of the job (--race-set model.…, --race-set train.batch_per_rank=…); "
-            f"--race-budget 0 races anyway")
+# Below this per-rank batch a loss normalised per batch (HEP's weighted one) is mostly noise.
+MIN_RACE_BATCH = 8
+
+
+def smaller_copies(workload, job):
+    """Ever cheaper copies of `job`, each with the overrides that made it: the workload's
+    narrower model while it has one (a step's samples stay the job's), then half the per-rank
+    batch, down to MIN_RACE_BATCH."""
+    made: dict[str, str] = {}
+    while True:
+        narrower = workload.narrower_model(job.model)
+        if narrower is not None:
+            model, override = narrower
+            job = dataclasses.replace(job, model=model)
+        elif job.train.batch_per_rank >= 2 * MIN_RACE_BATCH:
+            batch = job.train.batch_per_rank // 2
+            job = dataclasses.replace(job, train=dataclasses.replace(job.train, batch_per_rank=batch))
+            override = f"train.batch_per_rank={batch}"
+        else:
+            return
+        made[override.split("=")[0]] = override
+        yield job, tuple(made.values())
+
+
+def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores: int, races: int,
+               budget_s: float, copy: tuple[str, ...]) -> tuple[Any, tuple[str, ...], str]:
+    """(the job to race, the overrides that made it, why a copy) for `races` races of `steps`
+    steps within `budget_s` here: `job` where its timed step and score say it fits, else the first
+    of :func:`smaller_copies` that does (its estimate scaled from the last one timed by its FLOPs
+    per step, then timed before it is chosen), unless `copy` says the user chose the copy already.
+    ValueError where none fits."""
+
+    def timed(j) -> tuple[float, float]:
+        scorer = make_scorer(workload, j, stats, workload.input_shape(j), val, j.train.validate_events, metric)
+        one, step = race_wall_seconds(workload, j, stats, scorer, steps, scores)
+        return races * one, step
+
+    def flops_per_step(j) -> float | None:
+        try:
+            return workload.network_cost(j)[0] * j.train.batch_per_rank
+        except (ValueError, OSError):
+            return None
+
+    own, step = timed(job)
+    if own <= budget_s:
+        return job, copy, ""
+    smallest = None
+    if not copy:
+        last_s, last_flops = own, flops_per_step(job)
+        for smaller, made in smaller_copies(workload, job):
+            smallest = made
+            flops = flops_per_step(smaller)
+            if last_flops and flops and last_s * flops / last_flops > budget_s:
+                continue
+            measured, _ = timed(smaller)
+            if measured <= budget_s:
+                return smaller, made, f"the job's own races would take about {duration(own)} here"
+            last_s, last_flops = measured, flops
+    raise ValueError(
+        f"racing {races} times {steps} steps of {job.run.nodes} ranks × {job.train.batch_per_rank} examples "
+        f"would take about {duration(own)} here ({step:.2g} s a step), over the budget of {budget_s / 60:g} min"
+        + (f", and so would its smallest copy ({', '.join(smallest)})" if smallest else "")
+        + ": lower --race-steps or --race-ranks, race fewer --groups"
+        + ("" if smallest else ", or race a smaller copy of the job (--race-set model.…, "
+                               "--race-set train.batch_per_rank=…)")
+        + "; --race-budget 0 races anyway")
 
 
 def _basis(job, inputs, nodes: int, target, race_ranks: int, tuning_seed: int, extend: int, race_seeds: int,
-           horizon: float, steps: int, every: float, untrained: list[float], copy: tuple[str, ...]) -> list[str]:
+           horizon: float, steps: int, every: float, untrained: list[float], copy: tuple[str, ...],
+           fitted: str) -> list[str]:
     """What the recommendation rests on: a line each for the learning, the time and the rates."""
-    model = f"a copy of the job ({', '.join(copy)}) on its data" if copy else "the job's model and data"
+    model = "the job's model and data"
+    if copy:
+        why = f", chosen to fit --race-budget: {fitted}" if fitted else ""
+        model = f"a copy of the job ({', '.join(copy)}{why}) on its data"
     return [
         f"learning: {model}, {race_ranks} emulated ranks of {job.train.batch_per_rank} "
         f"examples in G groups (a group's step averages its ranks' gradients); steps to {target} are assumed "

@@ -160,6 +160,13 @@ class Workload(ABC):
         one, and the planner asks for the node's rate instead."""
         return None
 
+    def narrower_model(self, model_config) -> tuple[Any, str] | None:
+        """A copy of `model_config` at about half its cost or less (e.g. half the filters) and
+        the job override that makes it (`model.filters=64`); None (the default) where the workload
+        has none or the model is at its narrowest. `hpcdl plan --target` races such a copy when
+        the job's own race would not fit --race-budget here."""
+        return None
+
     def network_cost(self, job) -> tuple[float, int]:
         """(training FLOPs per example, parameters) of the job's network at its data's input shape,
         for the planner and submit: counted, not built (no TensorFlow). Unreadable data:

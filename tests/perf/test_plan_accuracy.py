@@ -150,7 +150,9 @@ def test_the_shipped_hep_job_races_its_own_network_on_its_data(job, tmp_path):
     # a plan this machine cannot race within the budget stops before it starts, saying what to lower
     result = CliRunner().invoke(main, ["plan", hep, "--nodes", "8", "--inputs", str(job / "quiet.toml"), "--target",
                                        "loss=0.5", "--race-ranks", "2", "--race-budget", "0.001"])
-    assert result.exit_code == 2 and "over the budget of 0.001 min: lower --race-steps" in result.output, result.output
+    assert result.exit_code == 2 and "over the budget of 0.001 min" in result.output, result.output
+    # its filters (4) are below the narrowest copy, so the copies it tried halved the batch
+    assert "so would its smallest copy (train.batch_per_rank=8): lower --race-steps" in result.output, result.output
 
 
 @pytest.mark.slow
@@ -187,3 +189,38 @@ def test_the_race_bar_appears_once_the_races_begin_after_the_budget_is_checked(m
               race_progress=lambda n: events.append(f"bar of {n}") or (lambda what: events.append(what)))
     assert events == ["note: timing a step and a score of the job here", "budget 900 s", "bar of 8",
                       *["G=1"] * 4, *["G=2"] * 4]
+
+
+def test_a_race_over_the_budget_runs_on_the_first_smaller_copy_that_fits(job, monkeypatch):
+    """The job's own races would take hours here; plan races the cheapest copy it needs instead and
+    says so. This machine's timing is replaced by one proportional to a step's examples."""
+    import hpcdl.perf.race_worker as race_worker
+
+    timed = []
+
+    def seconds(workload, job, stats, score, steps, scores):
+        timed.append(job.train.batch_per_rank)
+        return steps * job.train.batch_per_rank * 0.05, job.train.batch_per_rank * 0.05
+
+    monkeypatch.setattr(race_worker, "race_wall_seconds", seconds)
+    # 8 races of 100 steps: batch 32 takes 8 × 160 s, batch 16 8 × 80 s, over 10 min; batch 8, 5.3 min
+    acc = plan(job, "quiet.toml", "--race-seeds", "1", "--race-budget", "10")
+    assert timed == [32, 8], timed  # the job, then only the copy its FLOPs said would fit
+    assert any("a copy of the job (train.batch_per_rank=8, chosen to fit --race-budget: the job's own races "
+               "would take about 21 min here)" in b for b in acc["basis"]), acc["basis"]
+    assert any("emulated ranks of 8 examples" in b for b in acc["basis"]), acc["basis"]
+
+
+def test_the_copies_narrow_the_model_first_then_halve_the_batch():
+    from hpcdl.jobfile import load_job
+    from hpcdl.perf.race_worker import smaller_copies
+    from hpcdl.workloads import get_workload
+
+    hep = load_job("hep", ["model.filters=32", "train.batch_per_rank=32"])
+    made = [overrides for _job, overrides in smaller_copies(get_workload("hep"), hep)]
+    assert made == [("model.filters=16",), ("model.filters=8",), ("model.filters=8", "train.batch_per_rank=16"),
+                    ("model.filters=8", "train.batch_per_rank=8")]
+    climate = load_job("climate", ["model.filters=[32, 64, 128]", "train.batch_per_rank=8"])
+    copies = list(smaller_copies(get_workload("climate"), climate))
+    assert [c.model.filters for c, _ in copies] == [(16, 32, 64), (8, 16, 32), (4, 8, 16)]
+    assert copies[-1][1] == ("model.filters=[4, 8, 16]",)

@@ -14,6 +14,7 @@ given `scores_out` (.npz or .csv), the detections of every scored image after NM
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +29,7 @@ from hpcdl.workloads.climate.config import ClimateDataConfig, ClimateModelConfig
 
 PLOTS = 4
 EVAL_BATCH = 16
+NARROWEST_FILTERS = 4  # of a layer, in the narrowest copy plan races in the job's stead
 
 
 class ClimateWorkload(Workload):
@@ -95,6 +97,12 @@ class ClimateWorkload(Workload):
         x = np.random.default_rng(seed).standard_normal((size, *model.image_shape)).astype(np.float32)
         target = np.zeros((size, *model.grid, 6), np.float32)  # labelled images without a box
         return x, target, np.ones(size, np.float32)
+
+    def narrower_model(self, model_config: ClimateModelConfig) -> tuple[ClimateModelConfig, str] | None:
+        halves = tuple(f // 2 for f in model_config.filters)
+        if min(halves) < NARROWEST_FILTERS:
+            return None
+        return dataclasses.replace(model_config, filters=halves), f"model.filters={list(halves)}"
 
     def loss(self, model, batch, training: bool):
         x, target, labelled = batch

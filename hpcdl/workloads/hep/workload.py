@@ -7,6 +7,7 @@ the physics cut-based selection (passSR), see `metrics`.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -18,6 +19,8 @@ from hpcdl.workloads.common import traced_forward
 from hpcdl.workloads.hep import data as hepdata
 from hpcdl.workloads.hep.config import HepDataConfig, HepModelConfig
 from hpcdl.workloads.hep.normalization import Normalization
+
+NARROWEST_FILTERS = 8  # the narrowest copy plan races in the job's stead
 
 
 class HepWorkload(Workload):
@@ -82,6 +85,12 @@ class HepWorkload(Workload):
         rng = np.random.default_rng(seed)
         images = rng.standard_normal((size, *model.image_shape)).astype(np.float32)
         return images, (np.arange(size) % 2).astype(np.int32), np.ones(size, np.float32)
+
+    def narrower_model(self, model_config: HepModelConfig) -> tuple[HepModelConfig, str] | None:
+        half = model_config.filters // 2
+        if half < NARROWEST_FILTERS:
+            return None
+        return dataclasses.replace(model_config, filters=half), f"model.filters={half}"
 
     def loss(self, model, batch, training: bool):
         return self.group_loss(model, batch, 1, training)
