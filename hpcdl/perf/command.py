@@ -130,14 +130,14 @@ def _race_groups(request: PlanRequest) -> list[int]:
 
 def _race(request: PlanRequest, aim: Target, inputs: PlanInputs, groups: list[int], note: Callable[[str], None],
           race_progress: Callable[[int], Callable[[str], None]] | None):
-    from hpcdl.perf.race_worker import plan_accuracy
+    from hpcdl.perf.race_worker import budgeted_races, plan_accuracy
 
     # the exchange the plan models is the one raced; the race may learn on a smaller copy of the job
     job = load_job(request.job, [*request.overrides, *request.race_overrides])
-    races = len(groups) * (3 + request.race_seeds)
+    races = len(groups) * (3 + request.race_seeds)  # at least: a sweep's three rates, the race seeds
     if request.race_budget_s:
-        note(f"timing a step and a score of the job here: {races} races must fit --race-budget "
-             f"({request.race_budget_s / 60:g} min)")
+        note(f"timing a step and a score of the job here: {budgeted_races(len(groups), request.race_seeds)} "
+             f"races (a sweep extended once per group count) must fit --race-budget ({request.race_budget_s / 60:g} min)")
     started: list[Callable[[str], None]] = []
 
     def on_race(what: str) -> None:  # the bar appears once the races begin, not while timing

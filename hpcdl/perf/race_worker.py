@@ -187,24 +187,26 @@ def sync_step_seconds(inputs, nodes: int, seed: int, draws: int = 256) -> float:
 def race_wall_seconds(workload, job, stats: dict[str, Any], score: Callable[[Arrays], float], steps: int,
                       scores: int) -> tuple[float, float]:
     """(this machine's wall seconds for one race of `steps` synchronous steps and `scores` scores,
-    of which a step): a step of `job`'s run.nodes ranks' batches and a score timed after their
-    traces. A race costs about that whatever its group count: every count computes the same
-    examples per emulated step."""
+    of which a step): a race's start (its trainer, its ranks' first data, the step's trace), then
+    a step of `job`'s run.nodes ranks' batches and a score timed after their traces. A race costs
+    about that whatever its group count: every count computes the same examples per emulated step."""
     import time
 
     job = dataclasses.replace(job, run=dataclasses.replace(job.run, group_size=0))  # one group of all
+    started = time.perf_counter()
     trainer = TfTrainer(workload, job, workload.input_shape(job), seed=job.train.seed)
     (batches,) = group_batches(workload, job, stats, seed=job.train.seed)
     try:
         replica = trainer.initial()
         trainer.step(replica, next(batches))
+        start = time.perf_counter() - started
         score(trainer.weights(replica))
         started = time.perf_counter()
         trainer.step(replica, next(batches))
         step = time.perf_counter() - started
         started = time.perf_counter()
         score(trainer.weights(replica))
-        return steps * step + scores * (time.perf_counter() - started), step
+        return start + steps * step + scores * (time.perf_counter() - started), step
     finally:
         batches.close()
 
@@ -248,10 +250,9 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
 
     fitted = ""
     if budget_s:
-        races = len(groups) * (3 + race_seeds)  # a sweep's three rates and the race seeds, each count
         raced, copy, fitted = fit_budget(
             workload, race_job(job, 1, job.train.learning_rate, tuning_seed), stats, target.metric, val, steps,
-            scores, races, budget_s, copy)
+            scores, budgeted_races(len(groups), race_seeds), budget_s, copy)
         job = dataclasses.replace(job, model=raced.model, train=dataclasses.replace(
             job.train, batch_per_rank=raced.train.batch_per_rank))
         if fitted:
@@ -282,6 +283,12 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
     return AccuracyPlan(target, nodes, race_ranks, horizon, every, outcomes, recommend(outcomes), basis)
 
 
+def budgeted_races(groups: int, race_seeds: int) -> int:
+    """The races a plan is budgeted for: per group count a sweep's three rates, one extension of
+    its grid (a sweep whose best sits at an edge races one more rate, or several), the race seeds."""
+    return groups * (3 + 1 + race_seeds)
+
+
 # Below this per-rank batch a loss normalised per batch (HEP's weighted one) is mostly noise.
 MIN_RACE_BATCH = 8
 
@@ -309,10 +316,16 @@ def smaller_copies(workload, job):
 def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores: int, races: int,
                budget_s: float, copy: tuple[str, ...]) -> tuple[Any, tuple[str, ...], str]:
     """(the job to race, the overrides that made it, why a copy) for `races` races of `steps`
-    steps within `budget_s` here: `job` where its timed step and score say it fits, else the first
-    of :func:`smaller_copies` that does (its estimate scaled from the last one timed by its FLOPs
-    per step, then timed before it is chosen), unless `copy` says the user chose the copy already.
-    ValueError where none fits."""
+    steps within `budget_s` here, less the time the fitting itself takes: `job` where its timed
+    race says it fits, else the first of :func:`smaller_copies` that does (its estimate scaled from
+    the last one timed by its FLOPs per step, then timed before it is chosen), unless `copy` says
+    the user chose the copy already. ValueError where none fits."""
+    import time
+
+    began = time.monotonic()
+
+    def left() -> float:
+        return budget_s - (time.monotonic() - began)
 
     def timed(j) -> tuple[float, float]:
         scorer = make_scorer(workload, j, stats, workload.input_shape(j), val, j.train.validate_events, metric)
@@ -326,7 +339,7 @@ def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores:
             return None
 
     own, step = timed(job)
-    if own <= budget_s:
+    if own <= left():
         return job, copy, ""
     smallest = None
     if not copy:
@@ -334,10 +347,10 @@ def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores:
         for smaller, made in smaller_copies(workload, job):
             smallest = made
             flops = flops_per_step(smaller)
-            if last_flops and flops and last_s * flops / last_flops > budget_s:
+            if last_flops and flops and last_s * flops / last_flops > left():
                 continue
             measured, _ = timed(smaller)
-            if measured <= budget_s:
+            if measured <= left():
                 return smaller, made, f"the job's own races would take about {duration(own)} here"
             last_s, last_flops = measured, flops
     raise ValueError(

@@ -203,11 +203,12 @@ def test_a_race_over_the_budget_runs_on_the_first_smaller_copy_that_fits(job, mo
         return steps * job.train.batch_per_rank * 0.05, job.train.batch_per_rank * 0.05
 
     monkeypatch.setattr(race_worker, "race_wall_seconds", seconds)
-    # 8 races of 100 steps: batch 32 takes 8 × 160 s, batch 16 8 × 80 s, over 10 min; batch 8, 5.3 min
+    # 10 races (a sweep extended once per count) of 100 steps: batch 32 takes 10 × 160 s, batch 16
+    # 10 × 80 s, over 10 min; batch 8, 6.7 min
     acc = plan(job, "quiet.toml", "--race-seeds", "1", "--race-budget", "10")
     assert timed == [32, 8], timed  # the job, then only the copy its FLOPs said would fit
     assert any("a copy of the job (train.batch_per_rank=8, chosen to fit --race-budget: the job's own races "
-               "would take about 21 min here)" in b for b in acc["basis"]), acc["basis"]
+               "would take about 27 min here)" in b for b in acc["basis"]), acc["basis"]
     assert any("emulated ranks of 8 examples" in b for b in acc["basis"]), acc["basis"]
 
 
