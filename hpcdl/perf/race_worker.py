@@ -16,6 +16,7 @@ batch (HEP's) is not the loss of the whole batch, and the race measured that dif
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -185,30 +186,33 @@ def sync_step_seconds(inputs, nodes: int, seed: int, draws: int = 256) -> float:
 
 
 def race_wall_seconds(workload, job, stats: dict[str, Any], score: Callable[[Arrays], float], steps: int,
-                      scores: int) -> tuple[float, float]:
-    """(this machine's wall seconds for one race of `steps` synchronous steps and `scores` scores,
-    of which a step): a race's start (its trainer, its ranks' first data, the step's trace), then
-    a step of `job`'s run.nodes ranks' batches and a score timed after their traces. A race costs
-    about that whatever its group count: every count computes the same examples per emulated step."""
+                      scores: int, groups: int = 1) -> tuple[float, float]:
+    """(this machine's wall seconds for one race of `groups` groups of `job`'s run.nodes ranks,
+    `steps` steps each, and `scores` scores; of which a group's step): the race's start (its
+    trainer, its ranks' first data, the step's trace), then a group's step — two groups in turn
+    where there are several, as the race swaps their weights in and out — and a score."""
     import time
 
-    job = dataclasses.replace(job, run=dataclasses.replace(job.run, group_size=0))  # one group of all
+    size = job.run.nodes // groups
+    job = dataclasses.replace(job, run=dataclasses.replace(job.run, group_size=size))
     started = time.perf_counter()
     trainer = TfTrainer(workload, job, workload.input_shape(job), seed=job.train.seed)
-    (batches,) = group_batches(workload, job, stats, seed=job.train.seed)
+    streams = group_batches(workload, job, stats, seed=job.train.seed)
     try:
-        replica = trainer.initial()
-        trainer.step(replica, next(batches))
+        replicas = [trainer.initial() for _ in range(min(groups, 2))]
+        trainer.step(replicas[0], next(streams[0]))
         start = time.perf_counter() - started
-        score(trainer.weights(replica))
+        score(trainer.weights(replicas[0]))
         started = time.perf_counter()
-        trainer.step(replica, next(batches))
-        step = time.perf_counter() - started
+        for replica in replicas:
+            trainer.step(replica, next(streams[0]))
+        step = (time.perf_counter() - started) / len(replicas)
         started = time.perf_counter()
-        score(trainer.weights(replica))
-        return start + steps * step + scores * (time.perf_counter() - started), step
+        score(trainer.weights(replicas[0]))
+        return start + groups * steps * step + scores * (time.perf_counter() - started), step
     finally:
-        batches.close()
+        for stream in streams:
+            stream.close()
 
 
 def duration(seconds: float) -> str:
@@ -250,9 +254,11 @@ def plan_accuracy(workload, job, inputs, nodes: int, target, *, race_ranks: int,
 
     fitted = ""
     if budget_s:
+        # a group of fewer nodes steps faster, so G groups make more steps each in the horizon
+        group_steps = {g: math.ceil(horizon / sync_step_seconds(inputs, nodes // g, job.train.seed)) for g in groups}
         raced, copy, fitted = fit_budget(
-            workload, race_job(job, 1, job.train.learning_rate, tuning_seed), stats, target.metric, val, steps,
-            scores, budgeted_races(len(groups), race_seeds), budget_s, copy)
+            workload, race_job(job, 1, job.train.learning_rate, tuning_seed), stats, target.metric, val, group_steps,
+            scores, budgeted_races(1, race_seeds), budget_s, copy)
         job = dataclasses.replace(job, model=raced.model, train=dataclasses.replace(
             job.train, batch_per_rank=raced.train.batch_per_rank))
         if fitted:
@@ -313,10 +319,11 @@ def smaller_copies(workload, job):
         yield job, tuple(made.values())
 
 
-def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores: int, races: int,
-               budget_s: float, copy: tuple[str, ...]) -> tuple[Any, tuple[str, ...], str]:
-    """(the job to race, the overrides that made it, why a copy) for `races` races of `steps`
-    steps within `budget_s` here, less the time the fitting itself takes: `job` where its timed
+def fit_budget(workload, job, stats, metric: str, val: Path, group_steps: dict[int, int], scores: int,
+               races_per_count: int, budget_s: float, copy: tuple[str, ...]) -> tuple[Any, tuple[str, ...], str]:
+    """(the job to race, the overrides that made it, why a copy) for `races_per_count` races of
+    each group count G in `group_steps` (G groups of that many steps each; `job` is the synchronous
+    one) within `budget_s` here, less the time the fitting itself takes: `job` where its timed
     race says it fits, else the first of :func:`smaller_copies` that does (its estimate scaled from
     the last one timed by its FLOPs per step, then timed before it is chosen), unless `copy` says
     the user chose the copy already. ValueError where none fits."""
@@ -328,9 +335,10 @@ def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores:
         return budget_s - (time.monotonic() - began)
 
     def timed(j) -> tuple[float, float]:
+        """(the plan's races of `j`, the synchronous group's step) here."""
         scorer = make_scorer(workload, j, stats, workload.input_shape(j), val, j.train.validate_events, metric)
-        one, step = race_wall_seconds(workload, j, stats, scorer, steps, scores)
-        return races * one, step
+        costs = {g: race_wall_seconds(workload, j, stats, scorer, n, scores, g) for g, n in group_steps.items()}
+        return races_per_count * sum(one for one, _ in costs.values()), costs[min(costs)][1]
 
     def flops_per_step(j) -> float | None:
         try:
@@ -354,8 +362,9 @@ def fit_budget(workload, job, stats, metric: str, val: Path, steps: int, scores:
                 return smaller, made, f"the job's own races would take about {duration(own)} here"
             last_s, last_flops = measured, flops
     raise ValueError(
-        f"racing {races} times {steps} steps of {job.run.nodes} ranks × {job.train.batch_per_rank} examples "
-        f"would take about {duration(own)} here ({step:.2g} s a step), over the budget of {budget_s / 60:g} min"
+        f"racing {races_per_count * len(group_steps)} times {min(group_steps.values())} or more steps of "
+        f"{job.run.nodes} ranks × {job.train.batch_per_rank} examples would take about {duration(own)} here "
+        f"({step:.2g} s a synchronous step), over the budget of {budget_s / 60:g} min"
         + (f", and so would its smallest copy ({', '.join(smallest)})" if smallest else "")
         + ": lower --race-steps or --race-ranks, race fewer --groups"
         + ("" if smallest else ", or race a smaller copy of the job (--race-set model.…, "

@@ -192,23 +192,23 @@ def test_the_race_bar_appears_once_the_races_begin_after_the_budget_is_checked(m
 
 
 def test_a_race_over_the_budget_runs_on_the_first_smaller_copy_that_fits(job, monkeypatch):
-    """The job's own races would take hours here; plan races the cheapest copy it needs instead and
-    says so. This machine's timing is replaced by one proportional to a step's examples."""
+    """The job's own races would take too long here; plan races the cheapest copy it needs instead
+    and says so. This machine's timing is replaced by one proportional to a race's examples."""
     import hpcdl.perf.race_worker as race_worker
 
     timed = []
 
-    def seconds(workload, job, stats, score, steps, scores):
-        timed.append(job.train.batch_per_rank)
-        return steps * job.train.batch_per_rank * 0.05, job.train.batch_per_rank * 0.05
+    def seconds(workload, job, stats, score, steps, scores, groups=1):
+        timed.append((job.train.batch_per_rank, groups))
+        return groups * job.train.batch_per_rank * 4.0, 0.1
 
     monkeypatch.setattr(race_worker, "race_wall_seconds", seconds)
-    # 10 races (a sweep extended once per count) of 100 steps: batch 32 takes 10 × 160 s, batch 16
-    # 10 × 80 s, over 10 min; batch 8, 6.7 min
-    acc = plan(job, "quiet.toml", "--race-seeds", "1", "--race-budget", "10")
-    assert timed == [32, 8], timed  # the job, then only the copy its FLOPs said would fit
+    # per group count 5 races (3 rates, one extension, 1 seed): at batch 32 5 × (128 + 1024) s =
+    # 96 min, at 16 48 min, over 30 min; at 8 24 min
+    acc = plan(job, "quiet.toml", "--race-seeds", "1", "--race-budget", "30")
+    assert timed == [(32, 1), (32, 8), (8, 1), (8, 8)], timed  # the job, then the copy its FLOPs said would fit
     assert any("a copy of the job (train.batch_per_rank=8, chosen to fit --race-budget: the job's own races "
-               "would take about 27 min here)" in b for b in acc["basis"]), acc["basis"]
+               "would take about 96 min here)" in b for b in acc["basis"]), acc["basis"]
     assert any("emulated ranks of 8 examples" in b for b in acc["basis"]), acc["basis"]
 
 
