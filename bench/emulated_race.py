@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench.harness import log, machine, publish_png, result_path, write_result
-from bench.race_common import BATCH, IMAGE, MODEL, TRAIN_RATE, generated
+from bench.race_common import BATCH, IMAGE, LOSS_TARGETS, MODEL, TRAIN_RATE, generated, parse_rates
 from bench.race_summary import bootstrap
 from hpcdl.perf.accuracy import Run, Target, sweep_rate
 
@@ -50,7 +50,7 @@ SCENARIOS = {  # EmulateConfig fields
 # weighted AUC passes 0.95 within a few steps and then plateaus, and the unweighted AUC peaks near
 # 0.93 within the first ten steps and falls back to 0.85 as training goes on, so a race to either
 # times a transient. bench.hybrid_race scores the unweighted AUC (--metric auc_unweighted to match).
-METRICS = {"loss": (0.5, 0.4, 0.3), "auc": (0.95, 0.97, 0.98), "auc_unweighted": (0.85, 0.90, 0.93)}
+METRICS = {"loss": LOSS_TARGETS, "auc": (0.95, 0.97, 0.98), "auc_unweighted": (0.85, 0.90, 0.93)}
 SYNC_CENTRE = 2 * TRAIN_RATE  # bench.hybrid_race's synchronous centre
 
 
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
                          "the default became 200)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
-    fixed = {int(g): float(r) for g, r in (item.split(":") for item in args.rates.split(",") if item)}
+    fixed = parse_rates(args.rates)
     args.targets = [float(t) for t in args.targets.split(",")] if args.targets else list(METRICS[args.metric])
     if args.quick:
         args.ranks, args.groups, args.scenarios = "8", "1,2", "slow3"

@@ -54,7 +54,7 @@ from pathlib import Path
 from bench.harness import HPCDL, Probe, log, machine, result_path, write_result
 from bench.race_common import (
     BATCH, CONFIGS, DEFAULT_CONFIGS, FIXED_TIMES, GRID, IMAGE, LOSS_TARGETS, MODEL, RANKS, SCENARIOS, SCORE_EVERY_S,
-    SUITE, SYNC, TARGETS, Config, Result, StopRule, Watched, generated, held, loss_key, named,
+    SUITE, SYNC, TARGETS, Config, Result, StopRule, Watched, generated, held, loss_key, named, parse_rates,
 )
 from bench.race_summary import auc_at, markdown, picture, render, summarise
 from hpcdl.rundir.runs import RunDir
@@ -289,7 +289,7 @@ def _fixed_rates(text: str, configs: list[Config]) -> dict[str, float]:
     """`--rates G:RATE,...` as each configuration's rate (by its group count), or {} for a sweep."""
     if not text:
         return {}
-    by_groups = {int(g): float(r) for g, r in (item.split(":") for item in text.split(","))}
+    by_groups = parse_rates(text)
     missing = [c.name for c in configs if c.groups not in by_groups]
     if missing or len({c.groups for c in configs}) < len(configs):
         raise SystemExit(f"--rates needs one rate per group count of the configurations raced; "

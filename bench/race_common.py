@@ -122,6 +122,14 @@ def loss_key(level: float) -> str:
     return f"loss {level:g}"
 
 
+def parse_rates(text: str) -> dict[int, float]:
+    """`--rates G:RATE,...` (both races' option) as {G: rate}; a malformed item ends the run in one line."""
+    try:
+        return {int(g): float(r) for g, r in (item.split(":") for item in text.split(",") if item)}
+    except ValueError:
+        raise SystemExit(f"--rates takes G:RATE,... (e.g. 1:2e-3,8:3.5e-4), got {text!r}") from None
+
+
 def named(targets) -> dict[str, float]:
     return {f"{t:g}": t for t in targets}
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from bench.harness import publish_png
-from bench.race_common import SCORE_EVERY_S
+from bench.race_common import LOSS_TARGETS, SCORE_EVERY_S, TARGETS
 from hpcdl.perf.accuracy import Run, Target
 
 SCENARIOS = {"a": "none", "b": "b"}  # hybrid_race's scenario -> emulated_race's
@@ -32,7 +32,7 @@ TOLERANCE = 0.25  # issue 31: the emulated time within ±25 % of the wall-clock 
 
 
 # the metric -> the wall-clock run's curve holding it, and the default targets
-METRICS = {"auc_unweighted": ("curve", "0.9,0.93"), "loss": ("loss_curve", "0.5,0.4,0.3")}
+METRICS = {"auc_unweighted": ("curve", TARGETS), "loss": ("loss_curve", LOSS_TARGETS)}
 
 
 def reached(curve, target: Target) -> tuple[float | None, int | None]:
@@ -170,8 +170,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     wall = json.loads(args.wall.read_text())
     emulated = [json.loads(p.read_text()) for p in args.emulated]
-    levels = args.targets or METRICS[args.metric][1]
-    rows = compare(wall, emulated, tuple(float(t) for t in levels.split(",")), args.metric)
+    levels = tuple(float(t) for t in args.targets.split(",")) if args.targets else METRICS[args.metric][1]
+    rows = compare(wall, emulated, levels, args.metric)
     if not rows:
         print(f"no configuration is in both results with the {args.metric} scored", file=sys.stderr)
         return 1
