@@ -378,6 +378,17 @@ add_cluster_to_accounting() {
     fi
 }
 
+# Cancel every job, by user and by array-task id (e.g. 259_0): slurmctld 22.05 can recover an
+# array task requeued by preemption under a raw job id it then calls invalid, and that task
+# would hold its nodes until the cluster stops.
+cancel_all_jobs() {
+    local u
+    for u in $(squeue -h -o %u 2>/dev/null | sort -u); do
+        scancel --full --quiet -u "$u" 2>/dev/null || true
+    done
+    scancel --quiet $(squeue -h -o %i 2>/dev/null) 2>/dev/null || true
+}
+
 start_slurmctld() {
     pid_of slurmctld >/dev/null && return 0
     install -d -m 0755 "$DIR/state/slurmctld"
@@ -385,10 +396,10 @@ start_slurmctld() {
     wait_for "slurmctld" slurmctld scontrol ping
     # Jobs left in the saved state by an unclean stop would be requeued and occupy nodes.
     local stale
-    stale=$(squeue -h -o %A 2>/dev/null | paste -sd' ' -)
+    stale=$(squeue -h -o %i 2>/dev/null | paste -sd' ' -)
     if [ -n "$stale" ] && [ "${HPCDL_SLURM_KEEP_JOBS:-0}" != 1 ]; then
         log "cancelling jobs left over from an earlier run: $stale"
-        scancel --quiet $stale 2>/dev/null || true
+        cancel_all_jobs
     fi
 }
 
@@ -416,7 +427,8 @@ wait_nodes_idle() {
             pid_of "slurmd-$n" >/dev/null || { tails; die "slurmd -N $n died during start"; }
         done
         if [ $SECONDS -ge $deadline ]; then
-            sinfo -N >&2 || true
+            sinfo -N -o '%N %T %E' >&2 || true
+            squeue -o '%i %T %R' >&2 || true
             tails
             die "timed out after ${TIMEOUT}s waiting for ${#NODES[*]} nodes to be ${1:-idle}"
         fi
@@ -474,8 +486,7 @@ cmd_stop() {
     export SLURM_CONF="$SLURM_CONF_FILE"
     # Cancel jobs first so slurmstepd/job processes go away cleanly.
     if pid_of slurmctld >/dev/null && [ -n "$(squeue -h -o %A 2>/dev/null | head -n1)" ]; then
-        scancel --full --quiet -u root 2>/dev/null || true
-        scancel --quiet $(squeue -h -o %A 2>/dev/null) 2>/dev/null || true
+        cancel_all_jobs
         local deadline=$((SECONDS + 10))
         while [ -n "$(squeue -h -o %A 2>/dev/null | head -n1)" ] && [ $SECONDS -lt $deadline ]; do sleep 0.3; done
     fi

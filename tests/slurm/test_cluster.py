@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -85,3 +86,48 @@ def test_config_has_max_array_size(slurm_cluster):
     m = re.search(r"^MaxArraySize\s*=\s*(\d+)", config, re.M)
     assert m, "MaxArraySize missing from scontrol show config"
     assert int(m.group(1)) >= 1001
+
+
+def _kill_cluster_uncleanly(state_dir, marker: str) -> None:
+    """SIGKILL every daemon and job process of the cluster, as a machine reset would."""
+    import os
+    import signal
+
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+            cmdline = (proc / "cmdline").read_bytes()
+            comm = (proc / "comm").read_text().strip()
+        except OSError:
+            continue
+        if f"HPCDL_SLURM_DAEMON={state_dir}".encode() in environ or comm == "slurmstepd" or marker.encode() in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_cluster_killed_with_jobs_running_starts_again_with_idle_nodes(slurm_cluster, tmp_path):
+    # A CI machine restored from a snapshot taken mid-suite keeps slurmctld's saved jobs (an array
+    # task running, its siblings pending) and stale pid files; a start must clear them, not wait
+    # for nodes those jobs hold.
+    marker = "6061.5"
+    array_id = run("sbatch", "--parsable", "-N4", "--array=0-2%1", f"--output={tmp_path}/%A_%a.out",
+                   "--wrap", f"srun sleep {marker}").strip()
+    single_id = run("sbatch", "--parsable", "-N1", f"--output={tmp_path}/%j.out",
+                    "--wrap", f"sleep {marker}").strip()
+    poll("both jobs to run",
+         lambda: ((q := run("squeue", "-h", "-t", "R", "-o", "%i")).count("\n") == 2, q), timeout=30)
+
+    _kill_cluster_uncleanly(slurm_cluster.state_dir, marker)
+    start = subprocess.run([str(slurm_cluster.script), "start"], capture_output=True, text=True, timeout=300)
+    assert start.returncode == 0, start.stderr[-3000:]
+    assert "cancelling jobs left over" in start.stderr, start.stderr[-3000:]
+
+    assert run("squeue", "-h", "-o", "%i").strip() == ""
+    assert node_states() == {n: "idle" for n in NODES}
+    after = run("sbatch", "--parsable", "--wait", "-N4", "--wrap", "srun true", timeout=60).strip()
+    sacct = run("sacct", "-X", "-n", "-P", "-j", after, "-o", "State")
+    assert sacct.split() == ["COMPLETED"], (array_id, single_id, sacct)
