@@ -67,11 +67,11 @@ def make_plan(request: PlanRequest, *, note: Callable[[str], None] = lambda _: N
         raise PlanInputError("give --inputs or --node-flops, not both")
     fitted = _fitted_stragglers(request.from_run) if request.from_run is not None else None
     try:
+        aim = Target.parse(request.target) if request.target else None  # before any measurement
+        groups = _race_groups(request) if aim else []
         inputs = _inputs(request, note)
         if fitted is not None:
             inputs = fitted.applied_to(inputs, f"run {request.from_run.run_id}")
-        aim = Target.parse(request.target) if request.target else None
-        groups = _race_groups(request) if aim else []
         result = plan_groups(inputs, request.nodes, list(request.group_counts) or None, seed=request.seed,
                              staleness_bound=request.staleness_bound, max_utilisation=request.max_applier_util,
                              max_exchange_share=request.max_exchange_share)

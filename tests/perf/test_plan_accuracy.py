@@ -107,6 +107,12 @@ def test_bad_targets_are_one_line(job, args, match):
     assert result.exit_code == 2 and match in result.output, result.output
 
 
+def test_a_malformed_target_fails_before_this_machine_is_measured(job):
+    result = CliRunner().invoke(main, ["plan", str(job / "job.toml"), "--nodes", "8", "--target", "loss=abc"])
+    assert result.exit_code == 2 and "METRIC=VALUE" in result.output, result.output
+    assert "measuring" not in result.output, result.output
+
+
 def shipped_job(d, name: str, data: dict, **fields) -> str:
     """jobs/NAME.toml with its data in `data` and `fields` (`key = value` lines of the file) changed."""
     from hpcdl.jobfile import resolve_job_path
