@@ -164,6 +164,7 @@ class JobNetwork:
     params: int
     how: str  # how the FLOPs were counted
     batch_per_node: int
+    shape_is_default: bool = False  # the workload's default_input_shape: the data is not readable here
 
     @property
     def name(self) -> str:
@@ -171,7 +172,11 @@ class JobNetwork:
 
     @classmethod
     def of(cls, job_ref: str, overrides: tuple[str, ...] = ()) -> "JobNetwork":
-        job = load_job(job_ref, list(overrides))
+        return cls.of_job(load_job(job_ref, list(overrides)), resolve_job_path(job_ref).name)
+
+    @classmethod
+    def of_job(cls, job, job_name: str) -> "JobNetwork":
+        """PlanInputError where the input shape comes only from data not readable here."""
         workload = get_workload(job.workload)
         batch = job.train.batch_per_rank * job.run.ranks_per_node
         try:
@@ -181,15 +186,15 @@ class JobNetwork:
                 raise PlanInputError(f"the {job.workload} network's input shape comes from its data, not readable "
                                      f"here ({exc})") from None
             flops, params = job.model.cost(workload.default_input_shape)
-            return cls(resolve_job_path(job_ref).name, job.workload, tuple(workload.default_input_shape),
+            return cls(job_name, job.workload, tuple(workload.default_input_shape),
                        float(flops.training), params, f"{job.workload}'s ModelConfig.cost at the workload's "
-                       f"default input shape (the job's data is not readable here)", batch)
+                       f"default input shape (the job's data is not readable here)", batch, True)
         counted = getattr(workload, "network_cost_and_source", None)
         if counted is not None:
             flops, how, params = counted(job)
         else:
             (flops, params), how = workload.network_cost(job), f"{job.workload}'s ModelConfig.cost"
-        return cls(resolve_job_path(job_ref).name, job.workload, shape, float(flops), params, how, batch)
+        return cls(job_name, job.workload, shape, float(flops), params, how, batch)
 
     def applied_to(self, inputs: PlanInputs) -> PlanInputs:
         """`inputs` with this network's FLOPs, size and batch, except the fields a file of inputs

@@ -253,8 +253,9 @@ def test_submit_resolves_auto_and_the_local_dry_run_lists_one_applier_per_shard(
 
 
 def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
-    """The planner's bytes and FLOPs are the job's network at its data's size (climate too), or
-    the HEP network at 224², said, when the data cannot be read at submit."""
+    """The planner's bytes and FLOPs are the job's network at its data's size (climate too); where
+    the data cannot be read at submit, at its workload's default input shape, said, or, with none
+    (climate's shape is its data's), one applier and why."""
     from hpcdl.commands.submit import prepare
     from hpcdl.workloads import get_workload
     from hpcdl.workloads.climate.generate import generate
@@ -270,14 +271,21 @@ def test_auto_sizes_the_appliers_by_the_jobs_own_network(hep_files, tmp_path):
         notes = []
         prepared = prepare(workload, base + data, cluster={"cores": 64}, on_note=notes.append)
         _, params = get_workload(workload).network_cost(prepared.job)
-        assert any(f"the {workload} network's {params:,} parameters" in n for n in notes), notes
+        assert any(f"the {workload} network at " in n and f", {params:,} parameters" in n for n in notes), notes
         (note,) = [n for n in notes if n.startswith("exchange.shards:")]
         busy = int(re.search(r"each applier (\d+)% busy", note).group(1))
         assert ("above the 50% bound" in note) == (busy > 50), note  # tiny nets: steps too short to shard
+    unreadable = ["run.check_data=false", 'data.train="/nonexistent/train.h5"']
     notes = []
-    prepare("climate", base + ["run.check_data=false", 'data.train="/nonexistent/train.h5"'],
-            cluster={"cores": 64}, on_note=notes.append)
-    assert any("the HEP network at 224² (data.train not readable here)" in n for n in notes), notes
+    prepare("hep", base + unreadable, cluster={"cores": 64}, on_note=notes.append)
+    (note,) = [n for n in notes if n.startswith("exchange.shards:")]
+    assert "the hep network at 224x224x3" in note and "data.train is not readable here" in note, note
+    notes = []
+    prepared = prepare("climate", base + unreadable, cluster={"cores": 64}, on_note=notes.append)
+    (note,) = [n for n in notes if n.startswith("exchange.shards:")]
+    assert prepared.job.exchange.shards == 1, note
+    assert note.startswith("exchange.shards: 1 (the climate network's input shape comes from its data, not readable"), note
+    assert "give exchange.shards a number" in note, note
 
 
 def test_auto_shards_at_submit_does_not_load_tensorflow(tmp_path):
