@@ -8,7 +8,7 @@ export HPCDL_REQUIRE_SLURM=1
 
 bash "$cluster" start || { echo "could not start the local SLURM cluster" >&2; exit 1; }
 eval "$(bash "$cluster" env)"
-"$VENV/bin/python" -m pytest -ra "$@"
+"$VENV/bin/python" -m pytest -ra --durations=15 "$@"
 status=$?
 bash "$cluster" stop
 if [ "$status" -eq 5 ]; then

@@ -120,6 +120,11 @@ def test_a_cluster_killed_with_jobs_running_starts_again_with_idle_nodes(slurm_c
                     "--wrap", f"sleep {marker}").strip()
     poll("both jobs to run",
          lambda: ((q := run("squeue", "-h", "-t", "R", "-o", "%i")).count("\n") == 2, q), timeout=30)
+    # slurmctld saves its job state a few seconds after a change: a change now, and its save,
+    # make sure the running jobs are in what a restart recovers.
+    job_state, asked = slurm_cluster.state_dir / "state" / "slurmctld" / "job_state", time.time()
+    run("scontrol", "update", f"jobid={single_id}", "comment=saved")
+    poll("slurmctld to save its job state", lambda: (job_state.stat().st_mtime > asked, job_state.stat().st_mtime))
 
     _kill_cluster_uncleanly(slurm_cluster.state_dir, marker)
     start = subprocess.run([str(slurm_cluster.script), "start"], capture_output=True, text=True, timeout=300)
