@@ -115,34 +115,33 @@ AUTO_SHARDS_NODE_FLOPS = 1.9e12
 
 def resolve_shards(job: Job) -> tuple[Job, str]:
     """exchange.shards = "auto": the planner's recommendation for this job's groups and H."""
+    shards, why = _auto_shards(job) if job.exchange.active(job.run.groups) else (1, "no exchange")
+    job = job.replace(exchange=dataclasses.replace(job.exchange, shards=shards))
+    return job, f"exchange.shards: {shards} ({why})"
+
+
+def _auto_shards(job: Job) -> tuple[int, str]:
     from hpcdl.perf.command import JobNetwork, PlanInputError
     from hpcdl.perf.planner import MAX_APPLIER_UTILISATION, PlanInputs, job_exchange_values, recommend_shards
 
-    groups = job.run.groups
     try:
-        network = JobNetwork.of_job(job, job.name) if job.exchange.active(groups) else None
+        network = JobNetwork.of_job(job, job.name)
     except PlanInputError as exc:
-        network, shards, why = None, 1, f"{exc}; give exchange.shards a number"
-    else:
-        shards, why = 1, "no exchange"
-    if network is not None:
-        inputs = PlanInputs.measured_here(
-            AUTO_SHARDS_NODE_FLOPS, batch_per_node=network.batch_per_node,
-            source="exchange.shards = \"auto\"").with_values("the job", **job_exchange_values(job.exchange))
-        inputs = inputs.with_values(network.name, flops_per_example=network.flops,
-                                    model_bytes=float(network.params * 4))
-        advice = recommend_shards(inputs, job.run.nodes, groups)
-        shards = advice.shards
-        why = (f"each applier {advice.applier_utilisation:.0%} busy by hpcdl plan's model for {network.name}, "
-               f"{network.params:,} parameters, at an assumed {AUTO_SHARDS_NODE_FLOPS / 1e12:g} TFLOP/s per node; "
-               f"`hpcdl plan` measures")
-        if network.shape_is_default:
-            why += "; data.train is not readable here, so at the workload's default input shape"
-        if advice.applier_utilisation > MAX_APPLIER_UTILISATION:
-            why += (f"; above the {MAX_APPLIER_UTILISATION:.0%} bound: more shards cost each group a file per "
-                    f"exchange and do not bring it under; a larger exchange.every lightens the appliers")
-    job = job.replace(exchange=dataclasses.replace(job.exchange, shards=shards))
-    return job, f"exchange.shards: {shards} ({why})"
+        return 1, f"{exc}; give exchange.shards a number"
+    inputs = PlanInputs.measured_here(
+        AUTO_SHARDS_NODE_FLOPS, batch_per_node=network.batch_per_node,
+        source="exchange.shards = \"auto\"").with_values("the job", **job_exchange_values(job.exchange))
+    inputs = inputs.with_values(network.name, flops_per_example=network.flops, model_bytes=float(network.params * 4))
+    advice = recommend_shards(inputs, job.run.nodes, job.run.groups)
+    why = (f"each applier {advice.applier_utilisation:.0%} busy by hpcdl plan's model for {network.name}, "
+           f"{network.params:,} parameters, at an assumed {AUTO_SHARDS_NODE_FLOPS / 1e12:g} TFLOP/s per node; "
+           f"`hpcdl plan` measures")
+    if network.shape_is_default:
+        why += "; data.train is not readable here, so at the workload's default input shape"
+    if advice.applier_utilisation > MAX_APPLIER_UTILISATION:
+        why += (f"; above the {MAX_APPLIER_UTILISATION:.0%} bound: more shards cost each group a file per "
+                f"exchange and do not bring it under; a larger exchange.every lightens the appliers")
+    return advice.shards, why
 
 
 RUN_ID_ATTEMPTS = 8

@@ -334,11 +334,19 @@ def fit_budget(workload, job, stats, metric: str, val: Path, group_steps: dict[i
     def left() -> float:
         return budget_s - (time.monotonic() - began)
 
-    def timed(j) -> tuple[float, float]:
-        """(the plan's races of `j`, the synchronous group's step) here."""
+    def timed(j) -> tuple[float, bool]:
+        """(the plan's races of `j` here, whether all were timed): the costliest group count first,
+        and no more once the sum is over what is left (it cannot fit then)."""
         scorer = make_scorer(workload, j, stats, workload.input_shape(j), val, j.train.validate_events, metric)
-        costs = {g: race_wall_seconds(workload, j, stats, scorer, n, scores, g) for g, n in group_steps.items()}
-        return races_per_count * sum(one for one, _ in costs.values()), costs[min(costs)][1]
+        total = 0.0
+        for g, n in sorted(group_steps.items(), key=lambda item: -item[0] * item[1]):
+            total += races_per_count * race_wall_seconds(workload, j, stats, scorer, n, scores, g)[0]
+            if total > left():
+                return total, False
+        return total, True
+
+    def about(seconds: float, complete: bool) -> str:
+        return f"{'about' if complete else 'at least'} {duration(seconds)}"
 
     def flops_per_step(j) -> float | None:
         try:
@@ -346,8 +354,8 @@ def fit_budget(workload, job, stats, metric: str, val: Path, group_steps: dict[i
         except (ValueError, OSError):
             return None
 
-    own, step = timed(job)
-    if own <= left():
+    own, complete = timed(job)
+    if complete:
         return job, copy, ""
     smallest = None
     if not copy:
@@ -357,14 +365,14 @@ def fit_budget(workload, job, stats, metric: str, val: Path, group_steps: dict[i
             flops = flops_per_step(smaller)
             if last_flops and flops and last_s * flops / last_flops > left():
                 continue
-            measured, _ = timed(smaller)
-            if measured <= left():
-                return smaller, made, f"the job's own races would take about {duration(own)} here"
+            measured, fits = timed(smaller)
+            if fits:
+                return smaller, made, f"the job's own races would take {about(own, complete)} here"
             last_s, last_flops = measured, flops
     raise ValueError(
         f"racing {races_per_count * len(group_steps)} times {min(group_steps.values())} or more steps of "
-        f"{job.run.nodes} ranks × {job.train.batch_per_rank} examples would take about {duration(own)} here "
-        f"({step:.2g} s a synchronous step), over the budget of {budget_s / 60:g} min"
+        f"{job.run.nodes} ranks × {job.train.batch_per_rank} examples would take {about(own, complete)} here, "
+        f"over the budget of {budget_s / 60:g} min"
         + (f", and so would its smallest copy ({', '.join(smallest)})" if smallest else "")
         + ": lower --race-steps or --race-ranks, race fewer --groups"
         + ("" if smallest else ", or race a smaller copy of the job (--race-set model.…, "
