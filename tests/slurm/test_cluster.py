@@ -133,6 +133,7 @@ def test_a_cluster_killed_with_jobs_running_starts_again_with_idle_nodes(slurm_c
 
     assert run("squeue", "-h", "-o", "%i").strip() == ""
     assert node_states() == {n: "idle" for n in NODES}
-    after = run("sbatch", "--parsable", "--wait", "-N4", "--wrap", "srun true", timeout=60).strip()
+    after = run("sbatch", "--parsable", "--wait", "-N4", f"--output={tmp_path}/%j.out", "--wrap", "srun true",
+                timeout=60).strip()
     sacct = run("sacct", "-X", "-n", "-P", "-j", after, "-o", "State")
     assert sacct.split() == ["COMPLETED"], (array_id, single_id, sacct)
